@@ -1,0 +1,107 @@
+"""The ``porch`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .errors import ConfigurationError
+
+__all__ = ["main"]
+
+
+def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="serve the storefront demo on the embedded SQLite store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", default="./porch-data")
+    p.add_argument("--limit", type=int, default=60, help="requests per window per client")
+    p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
+    p.add_argument("--pool-size", type=int, default=4, help="shard actors in the key pool")
+    p.add_argument("--mailbox", type=int, default=1024, help="queued operations per shard")
+    p.add_argument(
+        "--checkout-latency",
+        type=float,
+        default=0.0,
+        help="simulated payment-provider delay inside POST /orders, seconds",
+    )
+    p.add_argument(
+        "--trust-proxy-hops",
+        type=int,
+        default=0,
+        help="proxies in front whose X-Forwarded-For entries are trusted",
+    )
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument(
+        "--durability",
+        choices=("process", "power"),
+        default="process",
+        help="'process' survives kill -9; 'power' also syncs every group commit",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="porch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _demo_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
+    return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:  # pragma: no cover - depends on the install
+        print("porch demo needs uvicorn: pip install 'porch[demo]'", file=sys.stderr)
+        return 2
+    from .demo import CONFIG_ENV, DemoConfig
+    from .pool import KeyPool
+    from .rules import Limit
+    from .store.sqlite import SQLiteStore
+
+    try:
+        config = DemoConfig(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            limit=args.limit,
+            window=args.window,
+            pool_size=args.pool_size,
+            mailbox=args.mailbox,
+            checkout_latency=args.checkout_latency,
+            trust_proxy_hops=args.trust_proxy_hops,
+            workers=args.workers,
+            durability=args.durability,
+        )
+        # Validate everything once here, so a bad flag is a message, not a worker traceback.
+        Limit(config.limit, config.window)
+        KeyPool(SQLiteStore(config.data_dir), size=config.pool_size, mailbox=config.mailbox)
+    except ConfigurationError as exc:
+        print(f"porch demo: {exc}", file=sys.stderr)
+        return 2
+    os.environ[CONFIG_ENV] = config.to_env()
+    print(
+        f"porch demo serving on http://{config.host}:{config.port} "
+        f"(data in {os.path.abspath(config.data_dir)}, limit {config.limit} per "
+        f"{config.window:g}s per client)",
+        flush=True,
+    )
+    uvicorn.run(
+        "porch.demo:create_app_from_env",
+        factory=True,
+        host=config.host,
+        port=config.port,
+        workers=config.workers if config.workers > 1 else None,
+        log_level="warning",
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

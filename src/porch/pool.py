@@ -1,0 +1,196 @@
+"""The sharded key pool: N shard actors, one bounded mailbox each.
+
+A key always reaches shard ``crc32(key) % N``, so everything about one key is
+serialized through one actor without locks. A shard drains its whole mailbox,
+applies the batch in one store transaction (group commit) and replies to every
+caller only after that transaction is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError, PoolClosedError, StoreError
+from .mailbox import Mailbox, MailboxStatistics
+
+if TYPE_CHECKING:
+    from .store.base import Store, StoreOp, StoreStatistics
+
+__all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
+
+logger = logging.getLogger("porch.pool")
+
+
+class Call:
+    """A message to a shard: what it adds to the batch's transaction, and what it does after.
+
+    The caller awaits ``future``. ``prepare`` and ``finish`` run on the shard's
+    task, one message at a time, so they may touch shard state without locks.
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        self.future = future
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        """Add this call's store operations to the batch (or answer from memory)."""
+
+    def finish(self, shard: Shard) -> None:
+        """Reply to the caller; runs after the batch's transaction committed."""
+
+    def fail(self, shard: Shard | None, exc: BaseException) -> None:
+        """Reply with ``exc``; runs when the transaction failed or the pool closed."""
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class Shard:
+    """One actor of the pool: its mailbox, its task, and volatile per-key state."""
+
+    __slots__ = ("_task", "index", "mailbox", "parked", "store")
+
+    def __init__(self, index: int, capacity: int, store: Store) -> None:
+        self.index = index
+        self.mailbox: Mailbox[Call] = Mailbox(capacity, index=index)
+        self.store = store
+        # Volatile per-key state (idempotency owners and their parked waiters).
+        # It is lost with the process, which is the point: a crash never wedges a key.
+        self.parked: dict[str, Any] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"porch-shard-{self.index}"
+        )
+
+    async def _run(self) -> None:
+        receive = self.mailbox.receive_batch
+        apply = self.store.apply
+        while True:
+            batch = await receive()
+            if not batch:
+                return
+            ops: list[StoreOp] = []
+            for call in batch:
+                call.prepare(self, ops)
+            if ops:
+                try:
+                    await apply(ops)
+                except Exception as exc:  # the actor must outlive any failure
+                    error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
+                    if error is not exc:
+                        logger.exception("porch shard %d: unexpected store failure", self.index)
+                    for call in batch:
+                        call.fail(self, error)
+                    continue
+            for call in batch:
+                call.finish(self)
+
+    async def close(self) -> None:
+        closed = PoolClosedError("the key pool closed before this call was answered")
+        for call in self.mailbox.close():
+            call.fail(self, closed)
+        if self._task is not None:
+            await self._task
+            self._task = None
+        for state in list(self.parked.values()):
+            state.close(closed)
+        self.parked.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """A snapshot of the pool and its store."""
+
+    shards: tuple[MailboxStatistics, ...]
+    store: StoreStatistics
+
+    @property
+    def queued(self) -> int:
+        return sum(s.queued for s in self.shards)
+
+    @property
+    def calls(self) -> int:
+        return sum(s.sent for s in self.shards)
+
+    @property
+    def saturations(self) -> int:
+        return sum(s.saturations for s in self.shards)
+
+
+class KeyPool:
+    """N shard actors over one store. Start it on the event loop that will use it."""
+
+    __slots__ = ("_lock", "_shards", "_size", "_started", "store")
+
+    def __init__(self, store: Store, *, size: int = 4, mailbox: int = 1024) -> None:
+        if size < 1:
+            raise ConfigurationError(f"pool size must be >= 1, got {size}")
+        if mailbox < 1:
+            raise ConfigurationError(f"mailbox capacity must be >= 1, got {mailbox}")
+        self.store = store
+        self._size = size
+        self._shards = tuple(Shard(i, mailbox, store) for i in range(size))
+        self._started = False
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def shard_index(self, key: str) -> int:
+        """The shard that owns ``key``: a stable hash, the same in every process and run."""
+        return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size
+
+    async def start(self) -> None:
+        """Open the store and start the shard actors; a second call does nothing."""
+        if self._started:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._started:
+                return
+            await self.store.open()
+            for shard in self._shards:
+                shard.start()
+            self._started = True
+
+    async def close(self) -> None:
+        """Refuse new calls, fail queued and parked callers (PoolClosedError), close the store."""
+        if not self._started:
+            return
+        self._started = False
+        for shard in self._shards:
+            await shard.close()
+        await self.store.close()
+
+    def submit(self, key: str, call: Call) -> None:
+        """Queue ``call`` on the shard owning ``key``; raises SaturatedError when it is full."""
+        if not self._started:
+            raise PoolClosedError("the key pool is not running")
+        self._shards[
+            zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size
+        ].mailbox.send_nowait(call)
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            shards=tuple(s.mailbox.statistics() for s in self._shards),
+            store=self.store.statistics(),
+        )
+
+    async def __aenter__(self) -> KeyPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,273 @@
+"""The rate-limit middleware: durable, exact fixed windows through the key pool.
+
+Pure ASGI. A selected request becomes one ``Hit`` sent to the shard owning its
+client key; the shard's store transaction decides (all limits of the rule, all
+or nothing) and only then does the request run or get refused. The middleware
+never reads or writes a counter itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from .identity import ClientIdentity, KeyFunc
+from .pool import Call, KeyPool, Shard
+from .responses import problem
+from .rules import Limit, Rule
+from .store.base import Hit, StoreOp
+
+__all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
+
+logger = logging.getLogger("porch.ratelimit")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """One limit's state after a decision."""
+
+    name: str
+    limit: int
+    window: float
+    remaining: int
+    reset_after: int  # whole seconds until the window ends, >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What a refusal factory is told: the client key, violated policies and the retry delay."""
+
+    key: str
+    violated: tuple[PolicyState, ...]
+    retry_after: int
+
+
+RefusalFactory = Callable[[Scope, Refusal], ASGIApp]
+
+
+def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
+    """A 429 ``application/problem+json`` body listing the violated policies."""
+    return problem(
+        429,
+        f"rate limit exceeded; retry in {refusal.retry_after} s",
+        violated=[
+            {"policy": p.name, "limit": p.limit, "window": p.window, "reset_after": p.reset_after}
+            for p in refusal.violated
+        ],
+    )
+
+
+class _HitCall(Call):
+    __slots__ = ("hit",)
+
+    def __init__(self, future: asyncio.Future[Hit], hit: Hit) -> None:
+        super().__init__(future)
+        self.hit = hit
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        ops.append(self.hit)
+
+    def finish(self, shard: Shard) -> None:
+        if not self.future.done():
+            self.future.set_result(self.hit)
+
+
+class _CompiledRule:
+    """A rule with everything per-request precomputed."""
+
+    __slots__ = ("amounts", "limits", "names", "policy_header", "prefixes", "rule", "windows")
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self.limits: tuple[Limit, ...] = rule.limits
+        self.amounts = tuple(limit.amount for limit in rule.limits)
+        self.windows = tuple(float(limit.window) for limit in rule.limits)
+        self.names = tuple(limit.name for limit in rule.limits)
+        self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in rule.limits)
+        self.policy_header = ", ".join(
+            f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
+        ).encode("ascii")
+
+
+class RateLimitMiddleware:
+    """Limit requests per client with durable, exact fixed-window counters.
+
+    ``rules`` are tried in order and the first that selects a request applies;
+    requests no rule selects, and ``exempt`` paths (exact, or a prefix when the
+    entry ends in ``/``), pass untouched and consume nothing. ``key`` finds the
+    client (default: the connection's peer host; see :class:`ClientIdentity`).
+    ``dry_run`` counts and reports but never refuses. A store failure answers 503
+    unless ``fail_open`` lets the request through uncounted; saturation always
+    answers 503.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        pool: KeyPool,
+        rules: Sequence[Rule] | Rule,
+        key: KeyFunc | None = None,
+        exempt: Iterable[str] = ("/health",),
+        dry_run: bool = False,
+        fail_open: bool = False,
+        on_refused: RefusalFactory = default_refusal,
+        retry_after_saturated: int = 1,
+    ) -> None:
+        rules = (rules,) if isinstance(rules, Rule) else tuple(rules)
+        if not rules:
+            raise ConfigurationError("RateLimitMiddleware needs at least one Rule")
+        if not isinstance(pool, KeyPool):
+            raise ConfigurationError("pool must be a porch KeyPool")
+        if retry_after_saturated < 1:
+            raise ConfigurationError(
+                f"retry_after_saturated must be >= 1 second, got {retry_after_saturated}"
+            )
+        names = [r.name for r in rules]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"rule names must be unique, got {names}")
+        self.app = app
+        self.pool = pool
+        self._rules = tuple(_CompiledRule(r) for r in rules)
+        self._key: KeyFunc = key if key is not None else ClientIdentity()
+        exempt = tuple(exempt)
+        for path in exempt:
+            if not path.startswith("/"):
+                raise ConfigurationError(f"exempt paths must start with '/', got {path!r}")
+        self._exact = frozenset(p for p in exempt if not p.endswith("/") or p == "/")
+        self._prefixes = tuple(p for p in exempt if p.endswith("/") and p != "/")
+        self.dry_run = dry_run
+        self.fail_open = fail_open
+        self._on_refused = on_refused
+        self._saturated_retry = str(retry_after_saturated).encode("ascii")
+
+    def _select(self, scope: Scope) -> _CompiledRule | None:
+        path: str = scope["path"]
+        if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
+            return None
+        method: str = scope["method"]
+        for compiled in self._rules:
+            if compiled.rule.matches(method, path):
+                return compiled
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self.app(scope, receive, _lifespan_send(send, self.pool))
+            else:
+                await self.app(scope, receive, send)
+            return
+        compiled = self._select(scope)
+        if compiled is None:
+            await self.app(scope, receive, send)
+            return
+
+        client = self._key(scope)
+        pool = self.pool
+        hit = Hit([p + client for p in compiled.prefixes], compiled.amounts, compiled.windows)
+        try:
+            if not pool.started:
+                await pool.start()
+            future: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
+            pool.submit(client, _HitCall(future, hit))
+            await future
+        except SaturatedError as exc:
+            logger.warning("porch: rate limiter saturated (%s); answering 503", exc)
+            await problem(
+                503,
+                f"rate limiter saturated: {exc}",
+                cause="saturated",
+                headers=[(b"retry-after", self._saturated_retry)],
+            )(scope, receive, send)
+            return
+        except (StoreError, PoolClosedError) as exc:
+            if self.fail_open:
+                logger.error("porch: rate limit store failed (%s); fail_open lets it through", exc)
+                await self.app(scope, receive, send)
+                return
+            logger.error("porch: rate limit store failed (%s); answering 503", exc)
+            await problem(
+                503,
+                "rate limit store unavailable",
+                cause="store",
+                headers=[(b"retry-after", self._saturated_retry)],
+            )(scope, receive, send)
+            return
+
+        headers, refusal = _decide(compiled, hit, client)
+        if refusal is not None and not self.dry_run:
+            response = self._on_refused(scope, refusal)
+            await response(scope, receive, _adding_headers(send, headers))
+            return
+        await self.app(scope, receive, _adding_headers(send, headers))
+
+
+def _decide(
+    compiled: _CompiledRule, hit: Hit, client: str
+) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
+    """The response headers for a decision, and the refusal if the hit was refused."""
+    amounts = compiled.amounts
+    counts = hit.counts
+    resets = hit.resets
+    n = len(amounts)
+    remaining = [max(0, amounts[i] - counts[i]) for i in range(n)]
+    # ceil: never tell a client a window ends earlier than it does.
+    t = [max(1, math.ceil(r)) for r in resets]
+    # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
+    i = min(range(n), key=lambda j: (remaining[j], -t[j])) if n > 1 else 0
+    headers = [
+        (b"x-ratelimit-limit", str(amounts[i]).encode()),
+        (b"x-ratelimit-remaining", str(remaining[i]).encode()),
+        (b"x-ratelimit-reset", str(math.ceil(hit.wall + resets[i])).encode()),
+        (b"ratelimit-policy", compiled.policy_header),
+        (
+            b"ratelimit",
+            ", ".join(
+                f'"{compiled.names[j]}";r={remaining[j]};t={t[j]}' for j in range(n)
+            ).encode(),
+        ),
+    ]
+    if hit.allowed:
+        return headers, None
+    violated = tuple(
+        PolicyState(compiled.names[j], amounts[j], compiled.windows[j], 0, t[j])
+        for j in range(n)
+        if counts[j] >= amounts[j]
+    )
+    retry_after = max(p.reset_after for p in violated)
+    headers.append((b"retry-after", str(retry_after).encode()))
+    return headers, Refusal(client, violated, retry_after)
+
+
+def _adding_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), *headers]
+        await send(message)
+
+    return wrapped
+
+
+def _lifespan_send(send: Send, pool: KeyPool) -> Send:
+    """Open the pool when the app has started, close it before the app reports shutdown."""
+
+    async def wrapped(message: Message) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.complete":
+            try:
+                await pool.start()
+            except (StoreError, OSError) as exc:
+                logger.error("porch: cannot start the key pool: %s", exc)
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+        elif kind == "lifespan.shutdown.complete":
+            await pool.close()
+        await send(message)
+
+    return wrapped

@@ -1,0 +1,265 @@
+"""The embedded default store: one SQLite file in WAL mode, written by one thread.
+
+Every operation goes to a dedicated writer thread (the event loop never blocks
+on SQLite). The thread takes whatever batches are queued — from any shard —
+and applies them in one ``BEGIN IMMEDIATE`` transaction: group commit. The
+write lock taken by ``BEGIN IMMEDIATE`` is also what serializes several
+processes sharing the file, so a decision is always read-decide-write under
+the lock, never a read-modify-write from a request task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..clock import Clock, SystemClock
+from ..errors import ConfigurationError, StoreError
+from .base import Durability, Hit, StoreOp, StoreStatistics
+from .sqlite_schema import migrate, rebase_after_reboot
+
+__all__ = ["SQLiteStore"]
+
+logger = logging.getLogger("porch.store")
+
+_UPSERT_COUNTER = (
+    "INSERT INTO counters (key, count, window_start, expires, wall_start) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET count = excluded.count,"
+    " window_start = excluded.window_start, expires = excluded.expires,"
+    " wall_start = excluded.wall_start"
+)
+_PRUNE_COUNTERS = (
+    "DELETE FROM counters WHERE key IN"
+    " (SELECT key FROM counters WHERE expires <= ? ORDER BY expires LIMIT ?)"
+)
+_SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
+
+_Job = tuple[Sequence[StoreOp], "asyncio.Future[None]"]
+
+
+class SQLiteStore:
+    """Counters (and stored responses) in ``<directory>/<filename>``, WAL mode.
+
+    ``durability="process"`` (default) survives the process being killed at any
+    point, including ``kill -9``: a committed transaction is in the WAL, handed
+    to the OS. ``durability="power"`` also syncs the WAL at every group commit,
+    so it survives a power loss or kernel crash.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        filename: str = "porch.sqlite3",
+        durability: Durability = "process",
+        busy_timeout: float = 5.0,
+        prune_batch: int = 64,
+        clock: Clock | None = None,
+    ) -> None:
+        if durability not in ("process", "power"):
+            raise ConfigurationError(f"durability must be 'process' or 'power', got {durability!r}")
+        if busy_timeout < 0:
+            raise ConfigurationError(f"busy_timeout must be >= 0 seconds, got {busy_timeout}")
+        if prune_batch < 1:
+            raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
+        if not filename or os.sep in filename:
+            raise ConfigurationError(f"filename must be a bare file name, got {filename!r}")
+        self.path = Path(directory) / filename
+        self.durability: Durability = durability
+        self.busy_timeout = busy_timeout
+        self.prune_batch = prune_batch
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transactions = 0
+        self._operations = 0
+        self._failures = 0
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._thread is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        ready: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._writer, args=(ready,), name=f"porch-sqlite:{self.path.name}", daemon=True
+        )
+        self._thread.start()
+        try:
+            await ready
+        except BaseException:
+            self._thread = None
+            raise
+
+    async def close(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._thread = None
+        self._queue.put(None)
+        await asyncio.to_thread(thread.join)
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(self._transactions, self._operations, self._failures)
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        if self._thread is None or self._loop is None:
+            raise StoreError("the SQLite store is not open")
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._queue.put((ops, future))
+        await future
+
+    # -- the writer thread -----------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            migrate(conn)
+            if rebase_after_reboot(
+                conn, self.clock.boot_id(), self.clock.monotonic(), self.clock.wall()
+            ):
+                logger.info("porch: rebased stored windows after a reboot (%s)", self.path)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            conn.close()
+            raise
+        return conn
+
+    def _writer(self, ready: asyncio.Future[None]) -> None:
+        loop = self._loop
+        if loop is None:  # pragma: no cover - open() sets it before starting the thread
+            return
+        try:
+            conn = self._connect()
+        except Exception as exc:
+            failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
+            loop.call_soon_threadsafe(_settle, ready, failed)
+            return
+        loop.call_soon_threadsafe(_settle, ready, None)
+        get = self._queue.get
+        get_nowait = self._queue.get_nowait
+        stopping = False
+        try:
+            while not stopping:
+                job = get()
+                if job is None:
+                    break
+                jobs = [job]
+                # Group commit: everything queued by now joins this transaction.
+                while True:
+                    try:
+                        more = get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    jobs.append(more)
+                error: BaseException | None = None
+                try:
+                    self._transaction(conn, [op for ops, _ in jobs for op in ops])
+                except Exception as exc:
+                    self._failures += 1
+                    logger.error("porch: SQLite transaction failed on %s: %s", self.path, exc)
+                    error = (
+                        exc
+                        if isinstance(exc, StoreError)
+                        else StoreError(f"SQLite store {self.path}: {exc}")
+                    )
+                loop.call_soon_threadsafe(_settle_all, [f for _, f in jobs], error)
+        finally:
+            conn.close()
+
+    def _transaction(self, conn: sqlite3.Connection, ops: list[StoreOp]) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # The clock is read under the write lock, so every process decides on
+            # times that are ordered the same way as their transactions.
+            now = self.clock.monotonic()
+            wall = self.clock.wall()
+            new_rows = self._apply_hits(conn, ops, now, wall)
+            conn.execute(_PRUNE_COUNTERS, (now, max(self.prune_batch, 2 * new_rows)))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        self._transactions += 1
+        self._operations += len(ops)
+
+    @staticmethod
+    def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
+        # key -> [count, window_start, expires, wall_start, dirty]; read once per
+        # transaction, written once per transaction, however many hits share a key.
+        rows: dict[str, list[Any]] = {}
+        wanted = list({key for hit in hits for key in hit.keys})
+        for i in range(0, len(wanted), _SELECT_CHUNK):
+            chunk = wanted[i : i + _SELECT_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for key, count, start, expires, wall_start in conn.execute(
+                "SELECT key, count, window_start, expires, wall_start FROM counters"
+                f" WHERE key IN ({marks})",
+                chunk,
+            ):
+                rows[key] = [count, start, expires, wall_start, False]
+        created = 0
+        for hit in hits:
+            current: list[list[Any]] = []
+            allowed = True
+            for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+                row = rows.get(key)
+                if row is None or now >= row[2]:
+                    # A fresh window, or an elapsed one overwritten in place (the
+                    # expired row is pruned on this access, never deleted+inserted).
+                    if row is None:
+                        created += 1
+                    row = [0, now, now + window, wall, True]
+                    rows[key] = row
+                if row[0] >= amount:
+                    allowed = False
+                current.append(row)
+            if allowed:
+                for row in current:
+                    row[0] += 1
+                    row[4] = True
+            hit.allowed = allowed
+            hit.counts = [row[0] for row in current]
+            hit.resets = [row[2] - now for row in current]
+            hit.wall = wall
+        conn.executemany(
+            _UPSERT_COUNTER,
+            [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4]],
+        )
+        return created
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _settle_all(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for future in futures:
+        _settle(future, error)
