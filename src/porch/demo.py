@@ -186,6 +186,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         key=ClientIdentity(trust_hops=config.trust_proxy_hops),
         exempt=("/health",),
     )
+    app.state.pool = pool
     return app
 
 

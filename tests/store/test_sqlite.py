@@ -1,0 +1,255 @@
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from porch.clock import ManualClock
+from porch.errors import ConfigurationError, StoreError
+from porch.store.base import Hit
+from porch.store.sqlite import SQLiteStore
+from porch.store.sqlite_schema import SCHEMA_VERSION
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(monotonic=1000.0, wall=1_700_000_000.0, boot_id="boot-a")
+
+
+@pytest.fixture
+async def store(tmp_path: Path, clock: ManualClock) -> AsyncIterator[SQLiteStore]:
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    yield s
+    await s.close()
+
+
+def rows(path: Path) -> dict[str, tuple[int, float, float]]:
+    with sqlite3.connect(path) as conn:
+        return {
+            k: (c, s, e)
+            for k, c, s, e in conn.execute("SELECT key, count, window_start, expires FROM counters")
+        }
+
+
+async def hit(store: SQLiteStore, key: str = "k", amount: int = 3, window: float = 60) -> Hit:
+    h = Hit([key], [amount], [window])
+    await store.apply([h])
+    return h
+
+
+async def test_counts_up_to_the_limit_then_refuses_without_consuming(store: SQLiteStore) -> None:
+    verdicts = [(h.allowed, h.counts[0]) for h in [await hit(store) for _ in range(5)]]
+    assert verdicts == [(True, 1), (True, 2), (True, 3), (False, 3), (False, 3)]
+    assert rows(store.path)["k"][0] == 3
+
+
+async def test_one_batch_is_one_transaction_and_counts_each_hit(store: SQLiteStore) -> None:
+    hits = [Hit(["same"], [10], [60.0]) for _ in range(15)]
+    await store.apply(hits)
+    assert [h.allowed for h in hits] == [True] * 10 + [False] * 5
+    assert [h.counts[0] for h in hits[:10]] == list(range(1, 11))
+    assert store.statistics().transactions == 1
+    assert rows(store.path)["same"][0] == 10
+
+
+async def test_concurrent_batches_are_group_committed(store: SQLiteStore) -> None:
+    batches = [[Hit([f"k{i}"], [5], [60.0])] for i in range(200)]
+    await asyncio.gather(*(store.apply(b) for b in batches))
+    stats = store.statistics()
+    assert stats.operations == 200
+    # Batches queued while the writer was busy join one transaction.
+    assert stats.transactions < 200
+    assert len(rows(store.path)) == 200
+
+
+async def test_all_limits_or_nothing(store: SQLiteStore) -> None:
+    def two() -> Hit:
+        return Hit(["second", "day"], [2, 3], [1.0, 86400.0])
+
+    first, second, third = two(), two(), two()
+    await store.apply([first, second, third])
+    assert (first.allowed, second.allowed, third.allowed) == (True, True, False)
+    # The refused hit consumed neither limit.
+    assert third.counts == [2, 2]
+    assert rows(store.path)["day"][0] == 2
+
+
+async def test_elapsed_window_restarts_in_place(store: SQLiteStore, clock: ManualClock) -> None:
+    for _ in range(3):
+        await hit(store, window=10)
+    assert not (await hit(store, window=10)).allowed
+    before = rows(store.path)["k"]
+    clock.advance(10.0)
+    again = await hit(store, window=10)
+    assert again.allowed and again.counts == [1]
+    after = rows(store.path)["k"]
+    assert after == (1, before[1] + 10.0, before[2] + 10.0)
+
+
+async def test_reset_reports_time_until_window_end(store: SQLiteStore, clock: ManualClock) -> None:
+    await hit(store, window=30)
+    clock.advance(12.5)
+    h = await hit(store, window=30)
+    assert h.resets == [pytest.approx(17.5)]
+    assert h.wall == clock.wall()
+
+
+@pytest.mark.parametrize("jump", [-7200.0, 7200.0, -86400.0 * 365])
+async def test_wall_clock_jumps_grant_nothing(
+    store: SQLiteStore, clock: ManualClock, jump: float
+) -> None:
+    for _ in range(3):
+        await hit(store)
+    clock.jump_wall(jump)
+    assert not (await hit(store)).allowed
+    clock.advance(59.0)
+    assert not (await hit(store)).allowed
+    clock.advance(1.0)
+    assert (await hit(store)).allowed
+
+
+async def test_reopen_keeps_counters(tmp_path: Path, clock: ManualClock) -> None:
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    for _ in range(3):
+        await hit(s)
+    await s.close()
+    s2 = SQLiteStore(tmp_path, clock=clock)
+    await s2.open()
+    try:
+        assert not (await hit(s2)).allowed
+    finally:
+        await s2.close()
+
+
+@pytest.mark.parametrize(
+    ("wall_step", "elapsed_after_boot", "allowed"),
+    [
+        (30.0, 0.0, False),  # 30 s of wall time passed across the reboot: 30 s left
+        (60.0, 0.0, True),  # the whole window passed on the wall clock
+        (-3600.0, 59.0, False),  # wall clock went backwards: counts as no time at all
+        (-3600.0, 60.0, True),  # ... so the window ends a full window after the reboot
+    ],
+)
+async def test_reboot_rebases_windows_on_wall_time_never_backwards(
+    tmp_path: Path, clock: ManualClock, wall_step: float, elapsed_after_boot: float, allowed: bool
+) -> None:
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    for _ in range(3):
+        await hit(s)
+    await s.close()
+    # The machine reboots: the monotonic clock starts over near zero.
+    clock.reboot("boot-b", monotonic=5.0)
+    clock.jump_wall(wall_step)
+    s2 = SQLiteStore(tmp_path, clock=clock)
+    await s2.open()
+    try:
+        clock.advance(elapsed_after_boot)
+        assert (await hit(s2)).allowed is allowed
+    finally:
+        await s2.close()
+
+
+async def test_incremental_prune_is_bounded(tmp_path: Path, clock: ManualClock) -> None:
+    s = SQLiteStore(tmp_path, clock=clock, prune_batch=10)
+    await s.open()
+    try:
+        await s.apply([Hit([f"old{i}"], [1], [5.0]) for i in range(35)])
+        clock.advance(6.0)
+        await hit(s, "fresh")
+        # One new row: the prune may delete max(10, 2 * 1) expired rows.
+        assert len(rows(s.path)) == 35 - 10 + 1
+        await hit(s, "fresh")
+        await hit(s, "fresh")
+        assert len(rows(s.path)) == 35 - 30 + 1
+    finally:
+        await s.close()
+
+
+async def test_churn_keeps_the_table_bounded(tmp_path: Path, clock: ManualClock) -> None:
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    try:
+        for round_ in range(40):
+            await s.apply([Hit([f"c{round_}-{i}"], [1], [1.0]) for i in range(50)])
+            clock.advance(1.0)
+        # Clients that never return: at most about two rounds of rows stay.
+        assert len(rows(s.path)) <= 100
+    finally:
+        await s.close()
+
+
+async def test_schema_version_is_recorded_and_a_newer_file_is_refused(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    await s.close()
+    with sqlite3.connect(s.path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    s2 = SQLiteStore(tmp_path, clock=clock)
+    with pytest.raises(StoreError, match="newer than this porch"):
+        await s2.open()
+
+
+async def test_unopenable_file_is_a_store_error(tmp_path: Path) -> None:
+    (tmp_path / "porch.sqlite3").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="cannot open SQLite store"):
+        await SQLiteStore(tmp_path).open()
+
+
+async def test_locked_database_fails_closed_after_busy_timeout(tmp_path: Path) -> None:
+    s = SQLiteStore(tmp_path, busy_timeout=0.2)
+    await s.open()
+    blocker = sqlite3.connect(s.path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreError, match="locked"):
+            await s.apply([Hit(["k"], [1], [60.0])])
+        assert s.statistics().failures == 1
+        blocker.execute("ROLLBACK")
+        ok = Hit(["k"], [1], [60.0])
+        await s.apply([ok])
+        assert ok.allowed
+    finally:
+        blocker.close()
+        await s.close()
+
+
+async def test_power_durability_syncs_fully(tmp_path: Path) -> None:
+    s = SQLiteStore(tmp_path, durability="power")
+    await s.open()
+    try:
+        assert (await hit(s)).allowed
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"durability": "sometimes"}, "durability must be 'process' or 'power'"),
+        ({"busy_timeout": -1}, "busy_timeout must be >= 0"),
+        ({"prune_batch": 0}, "prune_batch must be >= 1"),
+        ({"filename": "a/b"}, "filename must be a bare file name"),
+    ],
+)
+def test_bad_settings_are_configuration_errors(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        SQLiteStore(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_apply_before_open_is_a_store_error(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="not open"):
+        await SQLiteStore(tmp_path).apply([Hit(["k"], [1], [1.0])])

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from porch.pool import Call, KeyPool, Shard
+from porch.store.base import Hit, StoreOp, StoreStatistics
+from porch.store.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+
+
+class HitCall(Call):
+    __slots__ = ("hit",)
+
+    def __init__(self, hit: Hit) -> None:
+        super().__init__(asyncio.get_running_loop().create_future())
+        self.hit = hit
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        ops.append(self.hit)
+
+    def finish(self, shard: Shard) -> None:
+        self.future.set_result(self.hit)
+
+
+class GatedStore:
+    """A store whose transactions wait for a gate, to hold a shard busy."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.batches: list[int] = []
+        self.fail: Exception | None = None
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        self.batches.append(len(ops))
+        await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        for op in ops:
+            op.allowed = True
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(len(self.batches), sum(self.batches), 0)
+
+
+@pytest.mark.parametrize(
+    ("size", "mailbox", "message"),
+    [(0, 1, "pool size must be >= 1, got 0"), (1, 0, "mailbox capacity must be >= 1, got 0")],
+)
+def test_bad_sizes_are_configuration_errors(size: int, mailbox: int, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        KeyPool(GatedStore(), size=size, mailbox=mailbox)
+
+
+def test_shard_index_is_stable_and_spreads_keys() -> None:
+    pool = KeyPool(GatedStore(), size=8)
+    # crc32 is fixed across processes and runs (Python's hash() is salted).
+    assert pool.shard_index("client-1") == pool.shard_index("client-1")
+    assert pool.shard_index("127.0.0.1") == zlib.crc32(b"127.0.0.1") % 8
+    assert len({pool.shard_index(f"k{i}") for i in range(200)}) == 8
+
+
+async def test_calls_are_answered_after_the_batch_commits() -> None:
+    store = GatedStore()
+    async with KeyPool(store, size=1, mailbox=100) as pool:
+        calls = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
+        for c in calls:
+            pool.submit("k", c)
+        await asyncio.sleep(0.01)
+        assert not any(c.future.done() for c in calls)
+        store.gate.set()
+        results = await asyncio.gather(*(c.future for c in calls))
+        assert all(h.allowed for h in results)
+        assert store.batches == [3]  # one drain, one transaction
+
+
+async def test_saturated_shard_refuses_at_once() -> None:
+    store = GatedStore()
+    async with KeyPool(store, size=1, mailbox=2) as pool:
+        first = HitCall(Hit(["k"], [1], [1.0]))
+        pool.submit("k", first)
+        await asyncio.sleep(0.01)  # the shard took it and is waiting on the store
+        pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
+        pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
+        with pytest.raises(SaturatedError):
+            pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
+        stats = pool.statistics()
+        assert (stats.queued, stats.calls, stats.saturations) == (2, 3, 1)
+        store.gate.set()
+        await first.future
+
+
+async def test_store_failure_fails_the_batch_and_the_shard_lives_on() -> None:
+    store = GatedStore()
+    store.fail = RuntimeError("disk on fire")
+    store.gate.set()
+    async with KeyPool(store, size=1) as pool:
+        bad = HitCall(Hit(["k"], [1], [1.0]))
+        pool.submit("k", bad)
+        with pytest.raises(StoreError, match="disk on fire"):
+            await bad.future
+        store.fail = None
+        good = HitCall(Hit(["k"], [1], [1.0]))
+        pool.submit("k", good)
+        assert (await good.future).allowed
+
+
+async def test_close_wakes_every_queued_caller() -> None:
+    store = GatedStore()
+    pool = KeyPool(store, size=1, mailbox=10)
+    await pool.start()
+    running = HitCall(Hit(["k"], [1], [1.0]))
+    pool.submit("k", running)
+    await asyncio.sleep(0.01)
+    queued = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
+    for c in queued:
+        pool.submit("k", c)
+    closing = asyncio.create_task(pool.close())
+    await asyncio.sleep(0.01)
+    for c in queued:
+        with pytest.raises(PoolClosedError, match="closed before this call was answered"):
+            await c.future
+    store.gate.set()
+    await closing
+    assert (await running.future).allowed  # the batch in flight still completes
+    with pytest.raises(PoolClosedError):
+        pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
+
+
+async def test_pool_counts_exactly_under_concurrency(tmp_path: Path) -> None:
+    async with KeyPool(SQLiteStore(tmp_path), size=4, mailbox=1000) as pool:
+        calls = [HitCall(Hit(["one"], [150], [60.0])) for _ in range(200)]
+        for c in calls:
+            pool.submit("one", c)
+        results = await asyncio.gather(*(c.future for c in calls))
+        assert sum(h.allowed for h in results) == 150
+        assert pool.statistics().store.transactions < 200

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import porch
+import porch.errors
+
+
+def test_public_surface_is_pinned() -> None:
+    # A change here is a change to porch's public API: make it on purpose.
+    assert sorted(porch.__all__) == sorted(
+        [
+            "ClientIdentity",
+            "Clock",
+            "ConfigurationError",
+            "Durability",
+            "KeyFunc",
+            "KeyPool",
+            "Limit",
+            "Mailbox",
+            "MailboxStatistics",
+            "ManualClock",
+            "PolicyState",
+            "PoolClosedError",
+            "PoolStatistics",
+            "PorchError",
+            "RateLimitMiddleware",
+            "Refusal",
+            "RefusalFactory",
+            "Rule",
+            "SQLiteStore",
+            "SaturatedError",
+            "Store",
+            "StoreError",
+            "StoreStatistics",
+            "SystemClock",
+            "__version__",
+        ]
+    )
+    for name in porch.__all__:
+        assert hasattr(porch, name), name
+
+
+def test_every_error_says_when_it_is_raised() -> None:
+    for name in porch.errors.__all__:
+        error = getattr(porch.errors, name)
+        assert issubclass(error, porch.PorchError)
+        assert error.__doc__ is not None
+        assert error.__doc__.startswith("Raised when"), name
+
+
+def test_configuration_error_is_a_value_error() -> None:
+    assert issubclass(porch.ConfigurationError, ValueError)

@@ -1,0 +1,334 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from porch import (
+    ClientIdentity,
+    ConfigurationError,
+    KeyPool,
+    Limit,
+    ManualClock,
+    RateLimitMiddleware,
+    Refusal,
+    Rule,
+    SQLiteStore,
+    StoreError,
+)
+from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch.responses import BytesResponse
+from porch.store.base import StoreOp, StoreStatistics
+
+pytestmark = pytest.mark.anyio
+
+WALL = 1_700_000_000.0
+
+
+async def hello(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"x-app", b"1")]})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(monotonic=500.0, wall=WALL)
+
+
+@pytest.fixture
+async def pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path, clock=clock), size=2)
+    yield p
+    await p.close()
+
+
+def client(app: ASGIApp, peer: str = "10.1.1.1") -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+async def test_headers_count_down_then_429_with_problem_body(pool: KeyPool) -> None:
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(3, 60, name="api")))
+    async with client(app) as c:
+        responses = [await c.get("/x") for _ in range(4)]
+    assert [r.status_code for r in responses] == [200, 200, 200, 429]
+    for i, r in enumerate(responses[:3]):
+        assert r.headers["x-ratelimit-limit"] == "3"
+        assert r.headers["x-ratelimit-remaining"] == str(2 - i)
+        assert r.headers["x-ratelimit-reset"] == str(int(WALL + 60))
+        assert r.headers["ratelimit-policy"] == '"api";q=3;w=60'
+        assert r.headers["ratelimit"] == f'"api";r={2 - i};t=60'
+        assert r.headers["x-app"] == "1"
+    refused = responses[3]
+    assert refused.headers["retry-after"] == "60"
+    assert refused.headers["content-type"] == "application/problem+json"
+    body = refused.json()
+    assert body["status"] == 429
+    assert body["violated"] == [{"policy": "api", "limit": 3, "window": 60.0, "reset_after": 60}]
+    assert "x-app" not in refused.headers
+
+
+async def test_retry_after_is_whole_seconds_never_early(pool: KeyPool, clock: ManualClock) -> None:
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 10)))
+    async with client(app) as c:
+        await c.get("/")
+        clock.advance(9.6)  # 0.4 s left
+        r = await c.get("/")
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.headers["ratelimit"].endswith(";t=1")
+
+
+async def test_several_limits_all_or_nothing(pool: KeyPool, clock: ManualClock) -> None:
+    rule = Rule([Limit(2, 1, name="burst"), Limit(3, 3600, name="hour")])
+    app = RateLimitMiddleware(hello, pool=pool, rules=rule)
+    async with client(app) as c:
+        first = [await c.get("/") for _ in range(3)]
+        clock.advance(1.0)
+        second = [await c.get("/") for _ in range(2)]
+    assert [r.status_code for r in first] == [200, 200, 429]
+    # The third request was refused by "burst" and consumed nothing of "hour".
+    assert [r.status_code for r in second] == [200, 429]
+    assert first[0].headers["ratelimit-policy"] == '"burst";q=2;w=1, "hour";q=3;w=3600'
+    assert first[2].headers["ratelimit"] == '"burst";r=0;t=1, "hour";r=1;t=3600'
+    last = second[1]
+    assert last.headers["x-ratelimit-limit"] == "3"
+    assert last.headers["retry-after"] == "3599"
+    assert [v["policy"] for v in last.json()["violated"]] == ["hour"]
+
+
+async def test_exempt_and_unselected_requests_consume_nothing(pool: KeyPool) -> None:
+    rules = [Rule(Limit(1, 60), path="/api", methods=["POST"], name="writes")]
+    app = RateLimitMiddleware(hello, pool=pool, rules=rules, exempt=("/api/health", "/static/"))
+    async with client(app) as c:
+        for _ in range(3):
+            for r in (
+                await c.get("/api/x"),
+                await c.post("/api/health"),
+                await c.post("/static/app.js"),
+                await c.post("/apiary"),
+            ):
+                assert r.status_code == 200
+                assert "x-ratelimit-limit" not in r.headers
+        assert (await c.post("/api/orders")).status_code == 200
+        assert (await c.post("/api")).status_code == 429
+
+
+async def test_clients_are_counted_apart_and_ports_do_not_matter(pool: KeyPool) -> None:
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)))
+    async with client(app, "10.0.0.1") as a, client(app, "10.0.0.2") as b:
+        assert (await a.get("/")).status_code == 200
+        assert (await b.get("/")).status_code == 200
+        assert (await a.get("/")).status_code == 429
+    other_port = httpx.ASGITransport(app=app, client=("10.0.0.1", 50001))
+    async with httpx.AsyncClient(transport=other_port, base_url="http://t") as a2:
+        assert (await a2.get("/")).status_code == 429
+
+
+async def test_custom_key_function(pool: KeyPool) -> None:
+    def by_api_key(scope: Scope) -> str:
+        return dict(scope["headers"]).get(b"x-api-key", b"anon").decode()
+
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)), key=by_api_key)
+    async with client(app) as c:
+        assert (await c.get("/", headers={"x-api-key": "a"})).status_code == 200
+        assert (await c.get("/", headers={"x-api-key": "b"})).status_code == 200
+        assert (await c.get("/", headers={"x-api-key": "a"})).status_code == 429
+
+
+async def test_trusted_proxy_key(pool: KeyPool) -> None:
+    app = RateLimitMiddleware(
+        hello, pool=pool, rules=Rule(Limit(1, 60)), key=ClientIdentity(trust_hops=1)
+    )
+    async with client(app, "10.9.9.9") as c:
+        assert (await c.get("/", headers={"x-forwarded-for": "1.1.1.1"})).status_code == 200
+        assert (await c.get("/", headers={"x-forwarded-for": "2.2.2.2"})).status_code == 200
+        assert (await c.get("/", headers={"x-forwarded-for": "1.1.1.1"})).status_code == 429
+
+
+async def test_dry_run_counts_and_reports_but_never_refuses(pool: KeyPool) -> None:
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(2, 60)), dry_run=True)
+    async with client(app) as c:
+        responses = [await c.get("/") for _ in range(4)]
+    assert [r.status_code for r in responses] == [200] * 4
+    assert [r.headers["x-ratelimit-remaining"] for r in responses] == ["1", "0", "0", "0"]
+    assert "retry-after" in responses[3].headers
+
+
+async def test_custom_refusal_factory(pool: KeyPool) -> None:
+    seen: list[Refusal] = []
+
+    def teapot(scope: Scope, refusal: Refusal) -> ASGIApp:
+        seen.append(refusal)
+        return BytesResponse(418, b"slow down", [(b"content-type", b"text/plain")])
+
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)), on_refused=teapot)
+    async with client(app) as c:
+        await c.get("/")
+        r = await c.get("/")
+    assert (r.status_code, r.text) == (418, "slow down")
+    assert r.headers["retry-after"] == "60"
+    assert seen[0].key == "10.1.1.1"
+    assert seen[0].violated[0].limit == 1
+
+
+class BrokenStore:
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        raise StoreError("database is locked")
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(0, 0, 0)
+
+
+async def test_store_failure_fails_closed_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    async with KeyPool(BrokenStore()) as pool:
+        app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(5, 60)))
+        async with client(app) as c:
+            r = await c.get("/")
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["cause"] == "store"
+    assert "rate limit store failed" in caplog.text
+
+
+async def test_fail_open_is_explicit() -> None:
+    async with KeyPool(BrokenStore()) as pool:
+        app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(5, 60)), fail_open=True)
+        async with client(app) as c:
+            r = await c.get("/")
+    assert (r.status_code, r.text) == (200, "hello")
+    assert "x-ratelimit-limit" not in r.headers
+
+
+class SlowStore(BrokenStore):
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.applied = 0
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        await self.gate.wait()
+        for op in ops:
+            op.allowed = True
+            op.counts = [1]
+            op.resets = [60.0]
+        self.applied += len(ops)
+
+
+async def test_saturation_is_503_and_never_runs_the_app() -> None:
+    ran = 0
+
+    async def counting(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal ran
+        ran += 1
+        await hello(scope, receive, send)
+
+    store = SlowStore()
+    async with KeyPool(store, size=1, mailbox=2) as pool:
+        app = RateLimitMiddleware(counting, pool=pool, rules=Rule(Limit(100, 60)))
+        async with client(app) as c:
+            tasks = [asyncio.create_task(c.get("/")) for _ in range(10)]
+            await asyncio.sleep(0.05)
+            store.gate.set()
+            responses = await asyncio.gather(*tasks)
+    codes = [r.status_code for r in responses]
+    assert codes.count(503) >= 1
+    assert codes.count(200) == ran == store.applied
+    saturated = next(r for r in responses if r.status_code == 503)
+    assert saturated.json()["cause"] == "saturated"
+    assert saturated.headers["retry-after"] == "1"
+
+
+async def test_non_http_scopes_pass_through(pool: KeyPool) -> None:
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope["type"])
+
+    mw = RateLimitMiddleware(app, pool=pool, rules=Rule(Limit(1, 60)))
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    await mw({"type": "websocket", "path": "/ws", "headers": []}, receive, send)
+    assert seen == ["websocket"]
+    assert not pool.started
+
+
+async def test_lifespan_opens_and_closes_the_pool(pool: KeyPool) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    mw = RateLimitMiddleware(app, pool=pool, rules=Rule(Limit(1, 60)))
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Message) -> None:
+        sent.append({"type": message["type"], "started": pool.started})
+
+    await inbox.put({"type": "lifespan.startup"})
+    await inbox.put({"type": "lifespan.shutdown"})
+    await mw({"type": "lifespan"}, inbox.get, send)
+    assert sent == [
+        {"type": "lifespan.startup.complete", "started": True},
+        {"type": "lifespan.shutdown.complete", "started": False},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rules": []}, "needs at least one Rule"),
+        ({"rules": [Rule(Limit(1, 1)), Rule(Limit(2, 1))]}, "rule names must be unique"),
+        ({"exempt": ("health",)}, "exempt paths must start with '/'"),
+        ({"retry_after_saturated": 0}, "retry_after_saturated must be >= 1"),
+    ],
+)
+def test_configuration_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    settings: dict[str, Any] = {"rules": Rule(Limit(1, 1))} | kwargs
+    with pytest.raises(ConfigurationError, match=message):
+        RateLimitMiddleware(hello, pool=KeyPool(SQLiteStore(tmp_path)), **settings)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Limit(0, 1), "limit amount must be an integer >= 1, got 0"),
+        (lambda: Limit(True, 1), "limit amount must be an integer >= 1, got True"),
+        (lambda: Limit(1, 0), "limit window must be > 0 seconds, got 0"),
+        (lambda: Limit(1, float("inf")), "limit window must be > 0 seconds, got inf"),
+        (lambda: Limit(1, 1, name='a"b'), "limit name must be 1-64 characters"),
+        (lambda: Rule([]), "a rule needs at least one Limit"),
+        (lambda: Rule([Limit(1, 1), Limit(2, 1, name="1-per-1s")]), "limit names within a rule"),
+        (lambda: Rule(Limit(1, 1), path="api"), "rule path must start with '/'"),
+        (lambda: Rule(Limit(1, 1), name="a b"), "rule name must be 1-64 characters"),
+    ],
+)
+def test_limit_and_rule_validation(build: Any, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        build()
+
+
+def test_limit_default_name() -> None:
+    assert Limit(10, 1).name == "10-per-1s"
+    assert Limit(1000, 86400.0).name == "1000-per-86400s"
+    assert json.dumps(Rule(Limit(1, 1), path="/api/").path) == '"/api"'
