@@ -17,7 +17,8 @@ async def test_storefront_routes(tmp_path: Path) -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
         assert (await c.get("/health")).json() == {"ok": True}
         products = (await c.get("/products")).json()
-        assert isinstance(products, list) and products
+        assert isinstance(products, list)
+        assert products
         created = await c.post("/orders", json={"item": "tea", "qty": 2})
         assert created.status_code == 201
         assert created.json() == {"id": 1, "item": "tea", "qty": 2}

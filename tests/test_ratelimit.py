@@ -132,7 +132,8 @@ async def test_clients_are_counted_apart_and_ports_do_not_matter(pool: KeyPool) 
 
 async def test_custom_key_function(pool: KeyPool) -> None:
     def by_api_key(scope: Scope) -> str:
-        return dict(scope["headers"]).get(b"x-api-key", b"anon").decode()
+        headers: dict[bytes, bytes] = dict(scope["headers"])
+        return headers.get(b"x-api-key", b"anon").decode()
 
     app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)), key=by_api_key)
     async with client(app) as c:
