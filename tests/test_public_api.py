@@ -12,6 +12,8 @@ def test_public_surface_is_pinned() -> None:
             "Clock",
             "ConfigurationError",
             "Durability",
+            "IdempotencyMiddleware",
+            "IdempotencyRule",
             "KeyFunc",
             "KeyPool",
             "Limit",
@@ -28,11 +30,14 @@ def test_public_surface_is_pinned() -> None:
             "Rule",
             "SQLiteStore",
             "SaturatedError",
+            "ScopeFunc",
             "Store",
             "StoreError",
             "StoreStatistics",
+            "StoredResponse",
             "SystemClock",
             "__version__",
+            "authorization_scope",
         ]
     )
     for name in porch.__all__:

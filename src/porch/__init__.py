@@ -8,12 +8,14 @@ from .errors import (
     SaturatedError,
     StoreError,
 )
+from .idempotency import IdempotencyMiddleware, IdempotencyRule
+from .idempotency_keys import ScopeFunc, authorization_scope
 from .identity import ClientIdentity, KeyFunc
 from .mailbox import Mailbox, MailboxStatistics
 from .pool import KeyPool, PoolStatistics
 from .ratelimit import PolicyState, RateLimitMiddleware, Refusal, RefusalFactory
 from .rules import Limit, Rule
-from .store import Durability, SQLiteStore, Store, StoreStatistics
+from .store import Durability, SQLiteStore, Store, StoredResponse, StoreStatistics
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,8 @@ __all__ = [
     "Clock",
     "ConfigurationError",
     "Durability",
+    "IdempotencyMiddleware",
+    "IdempotencyRule",
     "KeyFunc",
     "KeyPool",
     "Limit",
@@ -38,9 +42,12 @@ __all__ = [
     "Rule",
     "SQLiteStore",
     "SaturatedError",
+    "ScopeFunc",
     "Store",
     "StoreError",
     "StoreStatistics",
+    "StoredResponse",
     "SystemClock",
     "__version__",
+    "authorization_scope",
 ]

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .errors import ConfigurationError
+from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .identity import ClientIdentity
 from .pool import KeyPool
 from .ratelimit import RateLimitMiddleware
@@ -131,7 +132,7 @@ def _bad_request(detail: str) -> JSONResponse:
 
 
 def create_app(config: DemoConfig | None = None) -> Starlette:
-    """The storefront, wrapped in porch's rate limiter."""
+    """The storefront, wrapped in porch's rate limiter and idempotent checkout."""
     config = config or DemoConfig()
     data = Path(config.data_dir)
     orders = Orders(data / "orders.sqlite3")
@@ -179,6 +180,13 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     )
     store = SQLiteStore(data, durability=config.durability)
     pool = KeyPool(store, size=config.pool_size, mailbox=config.mailbox)
+    # Starlette wraps the last-added middleware outermost: the limiter sees every
+    # request first (replays count too), then idempotency guards checkout.
+    app.add_middleware(
+        IdempotencyMiddleware,
+        pool=pool,
+        rules=IdempotencyRule("/orders", methods=["POST"]),
+    )
     app.add_middleware(
         RateLimitMiddleware,
         pool=pool,

@@ -61,11 +61,14 @@ class Mailbox(Generic[T]):
         self._batches = 0
         self._largest = 0
 
-    def send_nowait(self, item: T) -> None:
-        """Queue ``item``; raise SaturatedError when full, PoolClosedError when closed."""
+    def send_nowait(self, item: T, *, force: bool = False) -> None:
+        """Queue ``item``; raise SaturatedError when full, PoolClosedError when closed.
+
+        ``force`` queues past the capacity (for messages that must not be dropped).
+        """
         if self._closed:
             raise PoolClosedError("the key pool is closed")
-        if len(self._items) >= self._capacity:
+        if len(self._items) >= self._capacity and not force:
             self._saturations += 1
             raise SaturatedError(self._index, self._capacity)
         self._items.append(item)

@@ -174,13 +174,17 @@ class KeyPool:
             await shard.close()
         await self.store.close()
 
-    def submit(self, key: str, call: Call) -> None:
-        """Queue ``call`` on the shard owning ``key``; raises SaturatedError when it is full."""
+    def submit(self, key: str, call: Call, *, must_deliver: bool = False) -> None:
+        """Queue ``call`` on the shard owning ``key``; raises SaturatedError when it is full.
+
+        ``must_deliver`` skips the capacity check, for reports that release state
+        (an owner's result): they are bounded by the calls already admitted, and
+        dropping one would strand the callers parked behind it.
+        """
         if not self._started:
             raise PoolClosedError("the key pool is not running")
-        self._shards[
-            zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size
-        ].mailbox.send_nowait(call)
+        shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
+        shard.mailbox.send_nowait(call, force=must_deliver)
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(

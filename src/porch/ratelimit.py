@@ -14,7 +14,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ._types import ASGIApp, Message, Receive, Scope, Send
+from ._asgi import adding_headers, lifespan_send
+from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
@@ -159,7 +160,7 @@ class RateLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
-                await self.app(scope, receive, _lifespan_send(send, self.pool))
+                await self.app(scope, receive, lifespan_send(send, self.pool))
             else:
                 await self.app(scope, receive, send)
             return
@@ -203,9 +204,9 @@ class RateLimitMiddleware:
         headers, refusal = _decide(compiled, hit, client)
         if refusal is not None and not self.dry_run:
             response = self._on_refused(scope, refusal)
-            await response(scope, receive, _adding_headers(send, headers))
+            await response(scope, receive, adding_headers(send, headers))
             return
-        await self.app(scope, receive, _adding_headers(send, headers))
+        await self.app(scope, receive, adding_headers(send, headers))
 
 
 def _decide(
@@ -243,31 +244,3 @@ def _decide(
     retry_after = max(p.reset_after for p in violated)
     headers.append((b"retry-after", str(retry_after).encode()))
     return headers, Refusal(client, violated, retry_after)
-
-
-def _adding_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
-    async def wrapped(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", ()), *headers]
-        await send(message)
-
-    return wrapped
-
-
-def _lifespan_send(send: Send, pool: KeyPool) -> Send:
-    """Open the pool when the app has started, close it before the app reports shutdown."""
-
-    async def wrapped(message: Message) -> None:
-        kind = message["type"]
-        if kind == "lifespan.startup.complete":
-            try:
-                await pool.start()
-            except (StoreError, OSError) as exc:
-                logger.error("porch: cannot start the key pool: %s", exc)
-                await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                return
-        elif kind == "lifespan.shutdown.complete":
-            await pool.close()
-        await send(message)
-
-    return wrapped

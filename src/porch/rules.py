@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigurationError
 
-__all__ = ["Limit", "Rule"]
+__all__ = ["Limit", "Rule", "path_matches"]
 
 # Names travel in a structured-field string (RateLimit-Policy) and in store keys.
 _NAME = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}\Z")
@@ -84,9 +84,9 @@ class Rule:
         """Whether a request is selected: ``path`` equals the prefix or lies below it."""
         if self.methods is not None and method not in self.methods:
             return False
-        prefix = self.path
-        return (
-            prefix == "/"
-            or path == prefix
-            or (path.startswith(prefix) and path[len(prefix)] == "/")
-        )
+        return path_matches(self.path, path)
+
+
+def path_matches(prefix: str, path: str) -> bool:
+    """Whether ``path`` equals ``prefix`` or lies below it (segment-wise: /api is not /apiary)."""
+    return prefix == "/" or path == prefix or (path.startswith(prefix) and path[len(prefix)] == "/")

@@ -1,6 +1,16 @@
 """Durable stores: the seam and its backends."""
 
-from .base import Durability, Hit, Store, StoreOp, StoreStatistics
+from .base import Durability, Hit, Lookup, Save, Store, StoredResponse, StoreOp, StoreStatistics
 from .sqlite import SQLiteStore
 
-__all__ = ["Durability", "Hit", "SQLiteStore", "Store", "StoreOp", "StoreStatistics"]
+__all__ = [
+    "Durability",
+    "Hit",
+    "Lookup",
+    "SQLiteStore",
+    "Save",
+    "Store",
+    "StoreOp",
+    "StoreStatistics",
+    "StoredResponse",
+]

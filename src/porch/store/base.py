@@ -11,7 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["Durability", "Hit", "Store", "StoreOp", "StoreStatistics"]
+__all__ = [
+    "Durability",
+    "Hit",
+    "Lookup",
+    "Save",
+    "Store",
+    "StoreOp",
+    "StoreStatistics",
+    "StoredResponse",
+]
 
 Durability = Literal["process", "power"]
 """``"process"``: a commit survives the process being killed (``kill -9``), not a power loss.
@@ -41,7 +50,41 @@ class Hit:
         self.wall = 0.0
 
 
-StoreOp = Hit
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response kept for replay: what a duplicate request receives, byte for byte."""
+
+    digest: bytes
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+
+class Lookup:
+    """Find the stored response for a scoped idempotency key (``None``: none, or expired).
+
+    An expired row found here is deleted in the same transaction (pruned when touched).
+    """
+
+    __slots__ = ("key", "result")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.result: StoredResponse | None = None
+
+
+class Save:
+    """Store ``response`` under a scoped idempotency key for ``ttl`` seconds."""
+
+    __slots__ = ("key", "response", "ttl")
+
+    def __init__(self, key: str, response: StoredResponse, ttl: float) -> None:
+        self.key = key
+        self.response = response
+        self.ttl = ttl
+
+
+StoreOp = Hit | Lookup | Save
 
 
 @dataclass(frozen=True, slots=True)

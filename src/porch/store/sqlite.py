@@ -11,6 +11,7 @@ the lock, never a read-modify-write from a request task.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, StoreError
-from .base import Durability, Hit, StoreOp, StoreStatistics
+from .base import Durability, Hit, Lookup, Save, StoredResponse, StoreOp, StoreStatistics
 from .sqlite_schema import migrate, rebase_after_reboot
 
 __all__ = ["SQLiteStore"]
@@ -38,6 +39,18 @@ _UPSERT_COUNTER = (
 _PRUNE_COUNTERS = (
     "DELETE FROM counters WHERE key IN"
     " (SELECT key FROM counters WHERE expires <= ? ORDER BY expires LIMIT ?)"
+)
+_PRUNE_RESPONSES = (
+    "DELETE FROM responses WHERE key IN"
+    " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
+)
+_SELECT_RESPONSE = "SELECT digest, status, headers, body, expires FROM responses WHERE key = ?"
+_UPSERT_RESPONSE = (
+    "INSERT INTO responses (key, digest, status, headers, body, stored_at, expires, stored_wall)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
+    " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
+    " expires = excluded.expires, stored_wall = excluded.stored_wall"
 )
 _SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
 
@@ -195,8 +208,23 @@ class SQLiteStore:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            new_rows = self._apply_hits(conn, ops, now, wall)
-            conn.execute(_PRUNE_COUNTERS, (now, max(self.prune_batch, 2 * new_rows)))
+            hits: list[Hit] = []
+            saved = 0
+            for op in ops:
+                # Ops apply in arrival order; hits are batched, and no hit reads
+                # what a lookup or save of the same batch writes.
+                if type(op) is Hit:
+                    hits.append(op)
+                elif type(op) is Lookup:
+                    op.result = _lookup(conn, op.key, now)
+                elif type(op) is Save:
+                    _save(conn, op, now, wall)
+                    saved += 1
+            if hits:
+                created = self._apply_hits(conn, hits, now, wall)
+                conn.execute(_PRUNE_COUNTERS, (now, max(self.prune_batch, 2 * created)))
+            if saved:
+                conn.execute(_PRUNE_RESPONSES, (now, max(self.prune_batch, 2 * saved)))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -249,6 +277,31 @@ class SQLiteStore:
             [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4]],
         )
         return created
+
+
+def _lookup(conn: sqlite3.Connection, key: str, now: float) -> StoredResponse | None:
+    row = conn.execute(_SELECT_RESPONSE, (key,)).fetchone()
+    if row is None:
+        return None
+    digest, status, headers, body, expires = row
+    if now >= expires:
+        conn.execute("DELETE FROM responses WHERE key = ?", (key,))  # pruned when touched
+        return None
+    return StoredResponse(
+        bytes(digest),
+        int(status),
+        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
+        bytes(body),
+    )
+
+
+def _save(conn: sqlite3.Connection, op: Save, now: float, wall: float) -> None:
+    response = op.response
+    headers = json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers])
+    conn.execute(
+        _UPSERT_RESPONSE,
+        (op.key, response.digest, response.status, headers, response.body, now, now + op.ttl, wall),
+    )
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -13,9 +13,10 @@ from ..errors import StoreError
 
 __all__ = ["SCHEMA_VERSION", "migrate", "rebase_after_reboot"]
 
-# Times: ``window_start``/``expires`` are seconds on the monotonic clock of the
-# boot recorded in porch_meta; ``wall_start`` is Unix seconds at the window
-# start, used only to rebase windows when the file is opened after a reboot.
+# Times: ``window_start``, ``stored_at`` and ``expires`` are seconds on the
+# monotonic clock of the boot recorded in porch_meta; ``wall_start`` and
+# ``stored_wall`` are Unix seconds at the same moment, used only to rebase the
+# monotonic columns when the file is opened after a reboot.
 _MIGRATIONS: tuple[str, ...] = (
     # 1: counters
     """
@@ -31,6 +32,20 @@ _MIGRATIONS: tuple[str, ...] = (
         wall_start   REAL NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX counters_expires ON counters (expires);
+    """,
+    # 2: stored responses for idempotent replay
+    """
+    CREATE TABLE responses (
+        key         TEXT PRIMARY KEY,
+        digest      BLOB NOT NULL,
+        status      INTEGER NOT NULL,
+        headers     TEXT NOT NULL,
+        body        BLOB NOT NULL,
+        stored_at   REAL NOT NULL,
+        expires     REAL NOT NULL,
+        stored_wall REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX responses_expires ON responses (expires);
     """,
 )
 
@@ -71,6 +86,12 @@ def rebase_after_reboot(conn: sqlite3.Connection, boot_id: str, mono: float, wal
             "UPDATE counters SET"
             " window_start = :mono - MAX(0.0, :wall - wall_start),"
             " expires = :mono - MAX(0.0, :wall - wall_start) + (expires - window_start)",
+            {"mono": mono, "wall": wall},
+        )
+        conn.execute(
+            "UPDATE responses SET"
+            " stored_at = :mono - MAX(0.0, :wall - stored_wall),"
+            " expires = :mono - MAX(0.0, :wall - stored_wall) + (expires - stored_at)",
             {"mono": mono, "wall": wall},
         )
     conn.execute(

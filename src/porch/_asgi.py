@@ -1,0 +1,42 @@
+"""Small ASGI helpers shared by the middlewares."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from ._types import Message, Send
+from .errors import StoreError
+from .pool import KeyPool
+
+logger = logging.getLogger("porch")
+
+
+def adding_headers(send: Send, headers: Iterable[tuple[bytes, bytes]]) -> Send:
+    """Wrap ``send`` to append ``headers`` at ``http.response.start``."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), *headers]
+        await send(message)
+
+    return wrapped
+
+
+def lifespan_send(send: Send, pool: KeyPool) -> Send:
+    """Open the pool once the app has started; close it before the app reports shutdown."""
+
+    async def wrapped(message: Message) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.complete":
+            try:
+                await pool.start()
+            except (StoreError, OSError) as exc:
+                logger.error("porch: cannot start the key pool: %s", exc)
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+        elif kind == "lifespan.shutdown.complete":
+            await pool.close()
+        await send(message)
+
+    return wrapped

@@ -1,0 +1,321 @@
+"""The idempotency middleware: a resent unsafe request gets the stored response.
+
+Pure ASGI. A keyed request is scoped to its caller, digested, and sent to the
+shard that owns the key (see :mod:`porch.ownership`). The owner's response is
+captured while it streams to the client — the shape of Starlette's gzip
+responder — and reported back; the shard stores it (group commit) and only
+then hands it to every parked duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ._asgi import lifespan_send
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from .idempotency_keys import (
+    InvalidKey,
+    ScopeFunc,
+    authorization_scope,
+    parse_key,
+    request_digest,
+)
+from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome
+from .pool import KeyPool
+from .responses import BytesResponse, problem
+from .rules import path_matches
+from .store.base import StoredResponse
+
+__all__ = ["IdempotencyMiddleware", "IdempotencyRule"]
+
+logger = logging.getLogger("porch.idempotency")
+
+REPLAYED_HEADERS = frozenset({b"content-type", b"location", b"etag", b"content-location"})
+_UNSTORED_STATUSES = frozenset({408, 409, 425, 429})
+
+
+def storable(status: int) -> bool:
+    """2xx-4xx are stored, except the ones that say "try again": 408, 409, 425, 429."""
+    return 200 <= status < 500 and status not in _UNSTORED_STATUSES
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class IdempotencyRule:
+    """Which requests honour ``Idempotency-Key``: a path prefix and methods; ``required`` → 400
+    for a selected request that has no key."""
+
+    path: str
+    methods: frozenset[str]
+    required: bool
+
+    def __init__(
+        self,
+        path: str = "/",
+        *,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        required: bool = False,
+    ) -> None:
+        if not path.startswith("/"):
+            raise ConfigurationError(f"idempotency rule path must start with '/', got {path!r}")
+        methods = frozenset(m.upper() for m in methods)
+        if not methods:
+            raise ConfigurationError("an idempotency rule needs at least one method")
+        object.__setattr__(self, "path", path.rstrip("/") or "/")
+        object.__setattr__(self, "methods", methods)
+        object.__setattr__(self, "required", required)
+
+
+class IdempotencyMiddleware:
+    """Replay stored responses for repeated ``Idempotency-Key`` requests; run the handler once.
+
+    ``scope`` names the caller a key belongs to (default: a digest of the
+    ``Authorization`` header). Responses are kept ``ttl`` seconds. A duplicate
+    waits for a running owner at most ``wait_timeout`` seconds (then 409).
+    Keyed bodies over ``max_body`` bytes are refused with 413; responses over
+    ``max_stored`` bytes are sent but not stored, and the key is released as if
+    the owner had failed (the next duplicate runs the handler).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        pool: KeyPool,
+        rules: Sequence[IdempotencyRule] | IdempotencyRule = IdempotencyRule(),
+        scope: ScopeFunc = authorization_scope,
+        ttl: float = 86400.0,
+        wait_timeout: float = 30.0,
+        max_body: int = 1 << 20,
+        max_stored: int = 1 << 20,
+        retry_after: int = 1,
+    ) -> None:
+        rules = (rules,) if isinstance(rules, IdempotencyRule) else tuple(rules)
+        if not rules:
+            raise ConfigurationError("IdempotencyMiddleware needs at least one IdempotencyRule")
+        if not isinstance(pool, KeyPool):
+            raise ConfigurationError("pool must be a porch KeyPool")
+        if ttl <= 0:
+            raise ConfigurationError(f"ttl must be > 0 seconds, got {ttl}")
+        if wait_timeout <= 0:
+            raise ConfigurationError(f"wait_timeout must be > 0 seconds, got {wait_timeout}")
+        if max_body < 0:
+            raise ConfigurationError(f"max_body must be >= 0 bytes, got {max_body}")
+        if max_stored < 0:
+            raise ConfigurationError(f"max_stored must be >= 0 bytes, got {max_stored}")
+        if retry_after < 1:
+            raise ConfigurationError(f"retry_after must be >= 1 second, got {retry_after}")
+        self.app = app
+        self.pool = pool
+        self._rules = rules
+        self._scope = scope
+        self.ttl = float(ttl)
+        self.wait_timeout = float(wait_timeout)
+        self.max_body = max_body
+        self.max_stored = max_stored
+        self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
+
+    def _select(self, method: str, path: str) -> IdempotencyRule | None:
+        for rule in self._rules:
+            if method in rule.methods and path_matches(rule.path, path):
+                return rule
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self.app(scope, receive, lifespan_send(send, self.pool))
+            else:
+                await self.app(scope, receive, send)
+            return
+        rule = self._select(scope["method"], scope["path"])
+        if rule is None:
+            await self.app(scope, receive, send)
+            return
+        values = [v for k, v in scope["headers"] if k == b"idempotency-key"]
+        if not values:
+            if rule.required:
+                await problem(400, "this endpoint requires an Idempotency-Key header")(
+                    scope, receive, send
+                )
+            else:
+                await self.app(scope, receive, send)
+            return
+        try:
+            key = parse_key(values)
+        except InvalidKey as exc:
+            logger.info("porch: refused an invalid Idempotency-Key: %s", exc)
+            await problem(400, str(exc))(scope, receive, send)
+            return
+
+        body = await self._read_body(receive)
+        if body is None:  # the client left while sending
+            return
+        if body is _TOO_LARGE:
+            await problem(413, f"a keyed request body may be at most {self.max_body} bytes")(
+                scope, receive, send
+            )
+            return
+        digest = request_digest(scope["method"], scope["path"], scope["query_string"], body)
+        scoped = f"{self._scope(scope)}\x1f{key}"
+        await self._keyed(scope, receive, send, scoped, digest, body)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return _TOO_LARGE
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _keyed(
+        self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
+    ) -> None:
+        pool = self.pool
+        loop = asyncio.get_running_loop()
+        try:
+            if not pool.started:
+                await pool.start()
+            future: asyncio.Future[Outcome] = loop.create_future()
+            pool.submit(key, Acquire(future, key, digest))
+            # Parked behind a running owner costs a parked task, no polling.
+            outcome = await asyncio.wait_for(future, self.wait_timeout)
+        except TimeoutError:
+            await problem(
+                409,
+                "a request with this Idempotency-Key is still being processed; retry later",
+                headers=self._retry_after,
+            )(scope, receive, send)
+            return
+        except SaturatedError as exc:
+            logger.warning("porch: idempotency saturated (%s); answering 503", exc)
+            await problem(
+                503, f"idempotency saturated: {exc}", cause="saturated", headers=self._retry_after
+            )(scope, receive, send)
+            return
+        except (StoreError, PoolClosedError) as exc:
+            logger.error("porch: idempotency store failed (%s); answering 503", exc)
+            await problem(
+                503, "idempotency store unavailable", cause="store", headers=self._retry_after
+            )(scope, receive, send)
+            return
+
+        if isinstance(outcome, StoredResponse):
+            await _replay(outcome)(scope, receive, send)
+        elif isinstance(outcome, Mismatch):
+            await problem(422, "this Idempotency-Key was used for a different request")(
+                scope, receive, send
+            )
+        elif outcome is OWNER:
+            await self._run_owner(scope, receive, send, key, digest, body)
+
+    async def _run_owner(
+        self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
+    ) -> None:
+        capture = _Capture(send, self.max_stored)
+        response: StoredResponse | None = None
+        try:
+            await self.app(scope, _replaying(body, receive, capture), capture)
+            response = capture.result(digest)
+        finally:
+            # Always report, also when the handler raised or was cancelled: a
+            # missing report would leave the duplicates parked until their deadline.
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(PoolClosedError):
+                self.pool.submit(key, Complete(done, key, response, self.ttl), must_deliver=True)
+        if response is None and capture.oversized:
+            logger.warning(
+                "porch: response over max_stored=%d bytes was not stored; key released",
+                self.max_stored,
+            )
+
+
+_TOO_LARGE = b"\0too-large"  # a sentinel no real read returns (identity-compared)
+
+
+def _replay(stored: StoredResponse) -> BytesResponse:
+    return BytesResponse(
+        stored.status, stored.body, [*stored.headers, (b"idempotent-replayed", b"true")]
+    )
+
+
+def _replaying(body: bytes, receive: Receive, capture: _Capture) -> Receive:
+    """Hand the app the body already read, then the real channel (to see a disconnect)."""
+    pending = True
+
+    async def wrapped() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            capture.disconnected = True
+        return message
+
+    return wrapped
+
+
+class _Capture:
+    """Streams the owner's response to the client and keeps a copy for the store."""
+
+    __slots__ = (
+        "chunks",
+        "complete",
+        "disconnected",
+        "headers",
+        "limit",
+        "oversized",
+        "send",
+        "size",
+        "status",
+    )
+
+    def __init__(self, send: Send, limit: int) -> None:
+        self.send = send
+        self.limit = limit
+        self.status = 0
+        self.headers: tuple[tuple[bytes, bytes], ...] = ()
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.oversized = False
+        self.disconnected = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self.headers = tuple(
+                (k.lower(), v)
+                for k, v in message.get("headers", ())
+                if k.lower() in REPLAYED_HEADERS
+            )
+        elif kind == "http.response.body" and not self.oversized:
+            chunk: bytes = message.get("body", b"")
+            self.size += len(chunk)
+            if self.size > self.limit:
+                self.oversized = True
+                self.chunks.clear()
+            else:
+                self.chunks.append(chunk)
+        await self.send(message)
+        if kind == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+    def result(self, digest: bytes) -> StoredResponse | None:
+        """The response to store, or None: incomplete, client gone, too large, or not storable."""
+        if not self.complete or self.disconnected or self.oversized or not storable(self.status):
+            return None
+        return StoredResponse(digest, self.status, self.headers, b"".join(self.chunks))
