@@ -49,6 +49,7 @@ class GatedStore:
         if self.fail is not None:
             raise self.fail
         for op in ops:
+            assert isinstance(op, Hit)
             op.allowed = True
 
     def statistics(self) -> StoreStatistics:

@@ -23,7 +23,7 @@ from porch import (
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.responses import BytesResponse
-from porch.store.base import StoreOp, StoreStatistics
+from porch.store.base import Hit, StoreOp, StoreStatistics
 
 pytestmark = pytest.mark.anyio
 
@@ -220,6 +220,7 @@ class SlowStore(BrokenStore):
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         await self.gate.wait()
         for op in ops:
+            assert isinstance(op, Hit)
             op.allowed = True
             op.counts = [1]
             op.resets = [60.0]

@@ -1,0 +1,325 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from porch import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    KeyPool,
+    SQLiteStore,
+)
+from porch._types import ASGIApp, Message, Receive, Scope, Send
+
+pytestmark = pytest.mark.anyio
+
+
+class Handler:
+    """An app that counts executions and answers what it is told to."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.status = 201
+        self.latency = 0.0
+        self.body_size = 0
+        self.fail_first = 0
+        self.raises = False
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.calls += 1
+        message = await receive()
+        self.bodies.append(message.get("body", b""))
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        if self.raises:
+            raise RuntimeError("handler exploded")
+        status = 500 if self.calls <= self.fail_first else self.status
+        body = b"x" * self.body_size if self.body_size else f"call {self.calls}".encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"text/plain"),
+                    (b"location", f"/orders/{self.calls}".encode()),
+                    (b"set-cookie", b"session=secret"),
+                    (b"date", b"Mon, 30 Nov 2026 00:00:00 GMT"),
+                    (b"x-internal", b"1"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body[:3], "more_body": True})
+        await send({"type": "http.response.body", "body": body[3:]})
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path), size=2)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+def handler() -> Handler:
+    return Handler()
+
+
+Make = Callable[..., httpx.AsyncClient]
+
+
+@pytest.fixture
+def make(pool: KeyPool, handler: Handler) -> Make:
+    def build(**kwargs: Any) -> httpx.AsyncClient:
+        app: ASGIApp = IdempotencyMiddleware(handler, pool=pool, **kwargs)
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+    return build
+
+
+def keyed(key: str = "k1", **extra: str) -> dict[str, str]:
+    return {"idempotency-key": key, **extra}
+
+
+async def test_replay_is_byte_identical_with_allowed_headers_only(
+    make: Make, handler: Handler
+) -> None:
+    async with make() as c:
+        first = await c.post("/orders", content=b'{"a":1}', headers=keyed())
+        again = [await c.post("/orders", content=b'{"a":1}', headers=keyed()) for _ in range(3)]
+    assert handler.calls == 1
+    assert first.status_code == 201
+    assert "idempotent-replayed" not in first.headers
+    assert first.headers["set-cookie"] == "session=secret"
+    for r in again:
+        assert r.status_code == 201
+        assert r.content == first.content == b"call 1"
+        assert r.headers["idempotent-replayed"] == "true"
+        assert r.headers["content-type"] == "text/plain"
+        assert r.headers["location"] == "/orders/1"
+        for never in ("set-cookie", "date", "x-internal"):
+            assert never not in r.headers
+
+
+async def test_same_key_different_request_is_422_and_does_not_run(
+    make: Make, handler: Handler
+) -> None:
+    async with make() as c:
+        await c.post("/orders", content=b"one", headers=keyed())
+        for method, url, body in [
+            ("POST", "/orders", b"two"),
+            ("POST", "/orders?x=1", b"one"),
+            ("PATCH", "/orders", b"one"),
+        ]:
+            r = await c.request(method, url, content=body, headers=keyed())
+            assert r.status_code == 422, (method, url)
+            assert r.headers["content-type"] == "application/problem+json"
+    assert handler.calls == 1
+
+
+async def test_concurrent_duplicates_run_once(make: Make, handler: Handler) -> None:
+    handler.latency = 0.2
+    async with make() as c:
+        responses = await asyncio.gather(
+            *(c.post("/orders", content=b"same", headers=keyed()) for _ in range(10))
+        )
+    assert handler.calls == 1
+    assert {r.content for r in responses} == {b"call 1"}
+    assert sum("idempotent-replayed" not in r.headers for r in responses) == 1
+
+
+async def test_waiter_past_its_deadline_gets_409(make: Make, handler: Handler) -> None:
+    handler.latency = 0.5
+    async with make(wait_timeout=0.1) as c:
+        owner = asyncio.create_task(c.post("/orders", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.05)
+        waiter = await c.post("/orders", content=b"b", headers=keyed())
+        assert waiter.status_code == 409
+        assert waiter.headers["retry-after"] == "1"
+        assert (await owner).status_code == 201
+        late = await c.post("/orders", content=b"b", headers=keyed())
+    assert late.headers["idempotent-replayed"] == "true"
+    assert handler.calls == 1
+
+
+@pytest.mark.parametrize("status", [500, 503, 408, 409, 425, 429])
+async def test_unstored_statuses_run_again(make: Make, handler: Handler, status: int) -> None:
+    handler.status = status
+    async with make() as c:
+        for _ in range(2):
+            r = await c.post("/orders", content=b"b", headers=keyed())
+            assert r.status_code == status
+            assert "idempotent-replayed" not in r.headers
+    assert handler.calls == 2
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 400, 404, 422])
+async def test_stored_statuses_replay(make: Make, handler: Handler, status: int) -> None:
+    handler.status = status
+    async with make() as c:
+        for _ in range(2):
+            assert (await c.post("/orders", content=b"b", headers=keyed())).status_code == status
+    assert handler.calls == 1
+
+
+async def test_failed_owner_hands_ownership_to_the_next_waiter(
+    make: Make, handler: Handler
+) -> None:
+    handler.latency = 0.2
+    handler.fail_first = 1
+    async with make() as c:
+        responses = await asyncio.gather(
+            *(c.post("/orders", content=b"b", headers=keyed()) for _ in range(4))
+        )
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [201, 201, 201, 500]
+    assert handler.calls == 2
+    assert {r.content for r in responses if r.status_code == 201} == {b"call 2"}
+
+
+async def test_raising_owner_stores_nothing_and_releases(make: Make, handler: Handler) -> None:
+    handler.raises = True
+    async with make() as c:
+        with pytest.raises(RuntimeError, match="exploded"):
+            await c.post("/orders", content=b"b", headers=keyed())
+        handler.raises = False
+        r = await c.post("/orders", content=b"b", headers=keyed())
+    assert r.status_code == 201
+    assert handler.calls == 2
+
+
+async def test_keys_are_scoped_to_the_caller(make: Make, handler: Handler) -> None:
+    async with make() as c:
+        alice = await c.post("/o", content=b"b", headers=keyed(authorization="Bearer alice"))
+        bob = await c.post("/o", content=b"b", headers=keyed(authorization="Bearer bob"))
+        anon = await c.post("/o", content=b"b", headers=keyed())
+        alice2 = await c.post("/o", content=b"b", headers=keyed(authorization="Bearer alice"))
+    assert handler.calls == 3
+    assert [alice.content, bob.content, anon.content] == [b"call 1", b"call 2", b"call 3"]
+    assert alice2.content == b"call 1"
+
+
+async def test_custom_scope_function(make: Make, handler: Handler) -> None:
+    def tenant(scope: Scope) -> str:
+        headers: dict[bytes, bytes] = dict(scope["headers"])
+        return headers.get(b"x-tenant", b"none").decode()
+
+    async with make(scope=tenant) as c:
+        await c.post("/o", content=b"b", headers=keyed(**{"x-tenant": "t1"}))
+        await c.post("/o", content=b"b", headers=keyed(**{"x-tenant": "t2"}))
+        await c.post("/o", content=b"b", headers=keyed(**{"x-tenant": "t1"}))
+    assert handler.calls == 2
+
+
+async def test_body_cap_is_413_and_runs_nothing(make: Make, handler: Handler) -> None:
+    async with make(max_body=10) as c:
+        r = await c.post("/o", content=b"x" * 11, headers=keyed())
+        ok = await c.post("/o", content=b"x" * 10, headers=keyed("k2"))
+        unkeyed = await c.post("/o", content=b"x" * 100)
+    assert r.status_code == 413
+    assert r.headers["content-type"] == "application/problem+json"
+    assert ok.status_code == 201
+    assert unkeyed.status_code == 201  # the cap is for keyed requests only
+    assert handler.calls == 2
+
+
+async def test_oversized_response_is_sent_but_not_stored(
+    make: Make, handler: Handler, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler.body_size = 100
+    async with make(max_stored=50) as c:
+        first = await c.post("/o", content=b"b", headers=keyed())
+        second = await c.post("/o", content=b"b", headers=keyed())
+    assert first.content == second.content == b"x" * 100
+    assert "idempotent-replayed" not in second.headers
+    assert handler.calls == 2
+    assert "not stored" in caplog.text
+
+
+async def test_invalid_and_required_keys(make: Make, handler: Handler) -> None:
+    rules = [IdempotencyRule("/pay", methods=["POST"], required=True), IdempotencyRule("/o")]
+    async with make(rules=rules) as c:
+        missing = await c.post("/pay", content=b"b")
+        empty = await c.post("/o", content=b"b", headers={"idempotency-key": ""})
+        long = await c.post("/o", content=b"b", headers={"idempotency-key": "x" * 256})
+        two = await c.post(
+            "/o", content=b"b", headers=[("idempotency-key", "a"), ("idempotency-key", "b")]
+        )
+        unkeyed = await c.post("/o", content=b"b")
+        get = await c.get("/o", headers={"idempotency-key": "x" * 300})
+    for r in (missing, empty, long, two):
+        assert r.status_code == 400
+        assert r.headers["content-type"] == "application/problem+json"
+    assert "requires an Idempotency-Key" in missing.json()["detail"]
+    assert unkeyed.status_code == 201
+    assert get.status_code == 201  # GET is not selected: passes untouched
+    assert handler.calls == 2
+
+
+async def test_disconnect_seen_by_the_app_stores_nothing(pool: KeyPool) -> None:
+    calls = 0
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal calls
+        calls += 1
+        await receive()
+        gone = await receive()  # the client left mid-handler
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": gone["type"].encode()})
+
+    mw = IdempotencyMiddleware(app, pool=pool)
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/o",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", b"k")],
+    }
+    inbox = [
+        {"type": "http.request", "body": b"b", "more_body": False},
+        {"type": "http.disconnect"},
+    ]
+
+    async def run() -> None:
+        messages = list(inbox)
+
+        async def receive() -> Message:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            pass
+
+        await mw(scope, receive, send)
+
+    await run()
+    await run()
+    assert calls == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rules": []}, "needs at least one IdempotencyRule"),
+        ({"ttl": 0}, "ttl must be > 0"),
+        ({"wait_timeout": 0}, "wait_timeout must be > 0"),
+        ({"max_body": -1}, "max_body must be >= 0"),
+        ({"max_stored": -1}, "max_stored must be >= 0"),
+        ({"retry_after": 0}, "retry_after must be >= 1"),
+    ],
+)
+def test_configuration_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        IdempotencyMiddleware(Handler(), pool=KeyPool(SQLiteStore(tmp_path)), **kwargs)
+
+
+def test_rule_validation() -> None:
+    with pytest.raises(ConfigurationError, match="must start with '/'"):
+        IdempotencyRule("orders")
+    with pytest.raises(ConfigurationError, match="at least one method"):
+        IdempotencyRule("/", methods=[])
