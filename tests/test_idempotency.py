@@ -281,7 +281,7 @@ async def test_disconnect_seen_by_the_app_stores_nothing(pool: KeyPool) -> None:
         "query_string": b"",
         "headers": [(b"idempotency-key", b"k")],
     }
-    inbox = [
+    inbox: list[Message] = [
         {"type": "http.request", "body": b"b", "more_body": False},
         {"type": "http.disconnect"},
     ]
