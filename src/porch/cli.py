@@ -99,6 +99,9 @@ def _demo(args: argparse.Namespace) -> int:
         workers=config.workers if config.workers > 1 else None,
         log_level="warning",
         access_log=False,
+        # uvicorn would otherwise rewrite the peer address from X-Forwarded-For
+        # for loopback connections: who to trust is --trust-proxy-hops' decision.
+        proxy_headers=False,
     )
     return 0
 
