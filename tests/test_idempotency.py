@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from porch import (
     SQLiteStore,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch.store.base import Save, StoreOp
 
 pytestmark = pytest.mark.anyio
 
@@ -262,7 +263,10 @@ async def test_invalid_and_required_keys(make: Make, handler: Handler) -> None:
     assert handler.calls == 2
 
 
-async def test_disconnect_seen_by_the_app_stores_nothing(pool: KeyPool) -> None:
+@pytest.mark.parametrize("completes", [False, True])
+async def test_stored_if_and_only_if_the_app_completes_its_response(
+    pool: KeyPool, completes: bool
+) -> None:
     calls = 0
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -270,8 +274,10 @@ async def test_disconnect_seen_by_the_app_stores_nothing(pool: KeyPool) -> None:
         calls += 1
         await receive()
         gone = await receive()  # the client left mid-handler
+        assert gone["type"] == "http.disconnect"
         await send({"type": "http.response.start", "status": 201, "headers": []})
-        await send({"type": "http.response.body", "body": gone["type"].encode()})
+        # An app that gives up sends no final chunk; one that finishes its work does.
+        await send({"type": "http.response.body", "body": b"done", "more_body": not completes})
 
     mw = IdempotencyMiddleware(app, pool=pool)
     scope: Scope = {
@@ -281,25 +287,66 @@ async def test_disconnect_seen_by_the_app_stores_nothing(pool: KeyPool) -> None:
         "query_string": b"",
         "headers": [(b"idempotency-key", b"k")],
     }
-    inbox: list[Message] = [
-        {"type": "http.request", "body": b"b", "more_body": False},
-        {"type": "http.disconnect"},
-    ]
 
-    async def run() -> None:
-        messages = list(inbox)
+    async def run() -> list[Message]:
+        inbox: list[Message] = [
+            {"type": "http.request", "body": b"b", "more_body": False},
+            {"type": "http.disconnect"},
+        ]
+        sent: list[Message] = []
 
         async def receive() -> Message:
-            return messages.pop(0) if messages else {"type": "http.disconnect"}
+            return inbox.pop(0) if inbox else {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            pass
+            sent.append(message)
 
         await mw(scope, receive, send)
+        return sent
 
     await run()
-    await run()
-    assert calls == 2
+    second = await run()
+    assert calls == (1 if completes else 2)
+    if completes:
+        assert dict(second[0]["headers"])[b"idempotent-replayed"] == b"true"
+
+
+async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
+    class SlowSaveStore(SQLiteStore):
+        gate: asyncio.Event
+
+        async def apply(self, ops: Sequence[StoreOp]) -> None:
+            if any(isinstance(op, Save) for op in ops):
+                await self.gate.wait()
+            await super().apply(ops)
+
+    store = SlowSaveStore(tmp_path)
+    store.gate = asyncio.Event()
+    handler = Handler()
+    async with KeyPool(store, size=1) as pool:
+        mw = IdempotencyMiddleware(handler, pool=pool)
+        sent: list[Message] = []
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": b"b", "more_body": False}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        scope: Scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/o",
+            "query_string": b"",
+            "headers": [(b"idempotency-key", b"k")],
+        }
+        task = asyncio.create_task(mw(scope, receive, send))
+        await asyncio.sleep(0.05)
+        # Start and the first chunk are out; the final chunk waits for the commit.
+        assert [m.get("more_body", False) for m in sent[1:]] == [True]
+        store.gate.set()
+        await task
+        assert [m.get("more_body", False) for m in sent[1:]] == [True, False]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ then hands it to every parked duplicate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -223,25 +222,32 @@ class IdempotencyMiddleware:
     async def _run_owner(
         self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
     ) -> None:
-        capture = _Capture(send, self.max_stored)
-        response: StoredResponse | None = None
+        capture = _Capture(send, self, key, digest)
         try:
-            await self.app(scope, _replaying(body, receive, capture), capture)
-            response = capture.result(digest)
+            await self.app(scope, _replaying(body, receive), capture)
         finally:
             # Always report, also when the handler raised or was cancelled: a
             # missing report would leave the duplicates parked until their deadline.
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            with contextlib.suppress(PoolClosedError):
-                self.pool.submit(key, Complete(done, key, response, self.ttl), must_deliver=True)
-        if response is None and capture.oversized:
-            logger.warning(
-                "porch: response over max_stored=%d bytes was not stored; key released",
-                self.max_stored,
-            )
+            if not capture.reported:
+                capture.report(None)
+
+    def _report(self, key: str, response: StoredResponse | None) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self.pool.submit(key, Complete(done, key, response, self.ttl), must_deliver=True)
+        except PoolClosedError as exc:
+            done.set_exception(exc)
+        # Reports of unstored responses are not awaited; never leave an error unretrieved.
+        done.add_done_callback(_retrieve)
+        return done
 
 
 _TOO_LARGE = b"\0too-large"  # a sentinel no real read returns (identity-compared)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _replay(stored: StoredResponse) -> BytesResponse:
@@ -250,8 +256,8 @@ def _replay(stored: StoredResponse) -> BytesResponse:
     )
 
 
-def _replaying(body: bytes, receive: Receive, capture: _Capture) -> Receive:
-    """Hand the app the body already read, then the real channel (to see a disconnect)."""
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """Hand the app the body already read, then the real channel (a disconnect, say)."""
     pending = True
 
     async def wrapped() -> Message:
@@ -259,39 +265,49 @@ def _replaying(body: bytes, receive: Receive, capture: _Capture) -> Receive:
         if pending:
             pending = False
             return {"type": "http.request", "body": body, "more_body": False}
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            capture.disconnected = True
-        return message
+        return await receive()
 
     return wrapped
 
 
 class _Capture:
-    """Streams the owner's response to the client and keeps a copy for the store."""
+    """Streams the owner's response to the client and keeps a copy for the store.
+
+    The last body chunk is held until the stored copy is committed: a client
+    that received a complete response can always have it replayed, even if the
+    process dies the next instant.
+    """
 
     __slots__ = (
         "chunks",
-        "complete",
-        "disconnected",
+        "digest",
         "headers",
-        "limit",
+        "key",
+        "middleware",
         "oversized",
+        "reported",
         "send",
         "size",
         "status",
     )
 
-    def __init__(self, send: Send, limit: int) -> None:
+    def __init__(
+        self, send: Send, middleware: IdempotencyMiddleware, key: str, digest: bytes
+    ) -> None:
         self.send = send
-        self.limit = limit
+        self.middleware = middleware
+        self.key = key
+        self.digest = digest
         self.status = 0
         self.headers: tuple[tuple[bytes, bytes], ...] = ()
         self.chunks: list[bytes] = []
         self.size = 0
-        self.complete = False
         self.oversized = False
-        self.disconnected = False
+        self.reported = False
+
+    def report(self, response: StoredResponse | None) -> asyncio.Future[None]:
+        self.reported = True
+        return self.middleware._report(self.key, response)
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
@@ -302,20 +318,33 @@ class _Capture:
                 for k, v in message.get("headers", ())
                 if k.lower() in REPLAYED_HEADERS
             )
-        elif kind == "http.response.body" and not self.oversized:
+        elif kind == "http.response.body" and not self.reported:
             chunk: bytes = message.get("body", b"")
-            self.size += len(chunk)
-            if self.size > self.limit:
-                self.oversized = True
-                self.chunks.clear()
-            else:
-                self.chunks.append(chunk)
+            if not self.oversized:
+                self.size += len(chunk)
+                if self.size > self.middleware.max_stored:
+                    self.oversized = True
+                    self.chunks.clear()
+                else:
+                    self.chunks.append(chunk)
+            if not message.get("more_body", False):
+                await self._complete()
         await self.send(message)
-        if kind == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
 
-    def result(self, digest: bytes) -> StoredResponse | None:
-        """The response to store, or None: incomplete, client gone, too large, or not storable."""
-        if not self.complete or self.disconnected or self.oversized or not storable(self.status):
-            return None
-        return StoredResponse(digest, self.status, self.headers, b"".join(self.chunks))
+    async def _complete(self) -> None:
+        """The app finished its response: store it (if storable) before the last chunk leaves."""
+        if self.oversized or not storable(self.status):
+            if self.oversized:
+                logger.warning(
+                    "porch: response over max_stored=%d bytes was not stored; key released",
+                    self.middleware.max_stored,
+                )
+            self.report(None)
+            return
+        stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
+        try:
+            await self.report(stored)
+        except (StoreError, PoolClosedError) as exc:
+            # The handler's work is done and its headers are out: deliver the
+            # response, but say loudly that a retry will not be able to replay it.
+            logger.error("porch: could not store the response for replay: %s", exc)
