@@ -151,15 +151,18 @@ class IdempotencyMiddleware:
             await problem(400, str(exc))(scope, receive, send)
             return
 
-        body = await self._read_body(receive)
-        if body is None:  # the client left while sending
-            return
-        if body is _TOO_LARGE:
+        try:
+            body = await self._read_body(receive)
+        except _BodyTooLarge:
             await problem(413, f"a keyed request body may be at most {self.max_body} bytes")(
                 scope, receive, send
             )
             return
-        digest = request_digest(scope["method"], scope["path"], scope["query_string"], body)
+        if body is None:  # the client left while sending
+            return
+        digest = request_digest(
+            scope["method"], scope["path"], scope.get("query_string", b""), body
+        )
         scoped = f"{self._scope(scope)}\x1f{key}"
         await self._keyed(scope, receive, send, scoped, digest, body)
 
@@ -173,7 +176,7 @@ class IdempotencyMiddleware:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                return _TOO_LARGE
+                raise _BodyTooLarge
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -242,7 +245,8 @@ class IdempotencyMiddleware:
         return done
 
 
-_TOO_LARGE = b"\0too-large"  # a sentinel no real read returns (identity-compared)
+class _BodyTooLarge(Exception):
+    """Raised when a keyed request body exceeds ``max_body``."""
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

@@ -490,6 +490,7 @@ def test_stored_replay_survives_restarts(demo: DemoLauncher) -> None:
 # -- a crash mid-handler loses only in-memory ownership --------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_mid_checkout_does_not_wedge_the_key(demo: DemoLauncher) -> None:
     # Catches: a durable "pending" marker or lease (after the restart the key is wedged:
     # 409, or a wait until a lease expires), and a response stored for an execution

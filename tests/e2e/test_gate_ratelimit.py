@@ -429,6 +429,7 @@ def test_kill_9_mid_burst_never_loses_an_answered_request(demo: DemoLauncher) ->
 # -- 3. a fully elapsed window serves again; the expired row is pruned ------------------------
 
 
+@pytest.mark.slow
 def test_elapsed_window_serves_again_and_prunes(demo: DemoLauncher) -> None:
     # Catches: a window that never ends (expired row not overwritten), a delete+insert
     # or a fresh row instead of an in-place overwrite (window_start must move forward on
