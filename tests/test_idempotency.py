@@ -16,6 +16,7 @@ from porch import (
     SQLiteStore,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch.locks import ofd_locks_available
 from porch.store.base import Save, StoreOp
 
 pytestmark = pytest.mark.anyio
@@ -370,3 +371,62 @@ def test_rule_validation() -> None:
         IdempotencyRule("orders")
     with pytest.raises(ConfigurationError, match="at least one method"):
         IdempotencyRule("/", methods=[])
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
+    # Two pools on one data directory behave like two worker processes: the
+    # store's key locks exclude owners across them, and the waiter in the other
+    # pool gets the stored response once the lock is free.
+    handler = Handler()
+    handler.latency = 0.3
+    pools = [KeyPool(SQLiteStore(tmp_path), size=2) for _ in range(2)]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+        )
+        for p in pools
+    ]
+    try:
+        responses = await asyncio.gather(
+            *(clients[i % 2].post("/o", content=b"b", headers=keyed()) for i in range(6))
+        )
+        assert handler.calls == 1
+        assert {r.content for r in responses} == {b"call 1"}
+        assert {r.status_code for r in responses} == {201}
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_a_failed_owner_in_one_pool_hands_over_to_the_other(tmp_path: Path) -> None:
+    handler = Handler()
+    handler.latency = 0.2
+    handler.fail_first = 1
+    pools = [KeyPool(SQLiteStore(tmp_path), size=1) for _ in range(2)]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+        )
+        for p in pools
+    ]
+    try:
+        first = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.05)
+        second = await clients[1].post("/o", content=b"b", headers=keyed())
+        assert (await first).status_code == 500
+        assert second.status_code == 201
+        assert handler.calls == 2
+        replay = await clients[0].post("/o", content=b"b", headers=keyed())
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.content == second.content
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from porch.locks import KeyLocks
 from porch.pool import Call, KeyPool, Shard
 from porch.store.base import Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
@@ -31,6 +32,8 @@ class HitCall(Call):
 
 class GatedStore:
     """A store whose transactions wait for a gate, to hold a shard busy."""
+
+    locks: KeyLocks | None = None
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

@@ -22,6 +22,7 @@ from porch import (
     StoreError,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch.locks import KeyLocks
 from porch.responses import BytesResponse
 from porch.store.base import Hit, StoreOp, StoreStatistics
 
@@ -179,6 +180,8 @@ async def test_custom_refusal_factory(pool: KeyPool) -> None:
 
 
 class BrokenStore:
+    locks: KeyLocks | None = None
+
     async def open(self) -> None:
         pass
 

@@ -5,19 +5,29 @@ A keyed request sends :class:`Acquire` and gets one of: the stored response
 nobody running). If an owner is running it gets nothing yet: it stays parked
 in the shard's volatile state until the owner reports with :class:`Complete`.
 That state dies with the process, so a crash never wedges a key.
+
+Across processes sharing a store, the in-process owner also holds the key's
+lock in the store's :class:`~porch.locks.KeyLocks` from before its lookup until
+its response is committed. When another process holds it, a thread waits for
+the lock (no polling) and the key is looked up again once it is ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 
-from .errors import StoreError
+from .errors import PoolClosedError, StoreError
+from .locks import KeyLocks
 from .pool import Call, Shard
 from .store.base import Lookup, Save, StoredResponse, StoreOp
 
 __all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome"]
+
+logger = logging.getLogger("porch.idempotency")
 
 
 class _Owner:
@@ -47,18 +57,29 @@ def _answer(stored: StoredResponse, digest: bytes) -> StoredResponse | Mismatch:
 
 
 class _InFlight:
-    """A key with a running owner (or a lookup under way), and the callers parked behind it."""
+    """A key being decided or run in this process: its waiters and its cross-process lock."""
 
-    __slots__ = ("waiters",)
+    __slots__ = ("lock_fd", "locks", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, locks: KeyLocks | None) -> None:
         self.waiters: deque[Acquire] = deque()
+        self.locks = locks
+        self.lock_fd: int | None = None
+
+    def release(self) -> None:
+        if self.lock_fd is not None and self.locks is not None:
+            self.locks.release(self.lock_fd)
+            self.lock_fd = None
 
     def close(self, exc: BaseException) -> None:
+        self.release()
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.future.done():
                 waiter.future.set_exception(exc)
+
+    def live(self) -> bool:
+        return any(not w.future.done() for w in self.waiters)
 
     def promote(self) -> bool:
         """Hand ownership to the first waiter still waiting; False if there is none."""
@@ -77,6 +98,24 @@ class _InFlight:
                 waiter.future.set_result(_answer(stored, waiter.digest))
 
 
+def _drop(shard: Shard, key: str) -> _InFlight | None:
+    """Forget a key's in-flight state and release its cross-process lock."""
+    state: _InFlight | None = shard.parked.pop(key, None)
+    if state is not None:
+        state.release()
+    return state
+
+
+def _settle(shard: Shard, key: str, stored: StoredResponse | None) -> None:
+    """After a lookup under the key's lock: answer everyone, or hand ownership to one."""
+    state: _InFlight = shard.parked[key]
+    if stored is not None:
+        _drop(shard, key)
+        state.resolve(stored)
+    elif not state.promote():
+        _drop(shard, key)
+
+
 class Acquire(Call):
     """Ask for a key: stored response, mismatch, ownership, or park until the owner reports."""
 
@@ -93,34 +132,109 @@ class Acquire(Call):
         if state is not None:
             state.waiters.append(self)  # parked: answered when the owner reports
             return
-        shard.parked[self.key] = _InFlight()
+        # The first caller is the first waiter: the lookup's outcome answers it
+        # like everyone parked behind it meanwhile (see _settle).
+        locks = shard.store.locks
+        state = _InFlight(locks)
+        state.waiters.append(self)
+        shard.parked[self.key] = state
+        if locks is not None:
+            try:
+                state.lock_fd = locks.try_acquire(self.key)
+            except OSError as exc:
+                _drop(shard, self.key)
+                self.future.set_exception(StoreError(f"cannot lock the key: {exc}"))
+                return
+            if state.lock_fd is None:
+                # Another process owns the key: wait for its lock, then look again.
+                _wait_for_lock(shard, self.key, locks)
+                return
         self.lookup = Lookup(self.key)
         ops.append(self.lookup)
 
     def finish(self, shard: Shard) -> None:
-        if self.lookup is None:
-            return
-        stored = self.lookup.result
-        if stored is None:
-            if not self.future.done():
-                self.future.set_result(OWNER)
-                return
-            # The caller left while we looked: the next waiter (if any) owns the key.
-            state: _InFlight = shard.parked[self.key]
-            if not state.promote():
-                del shard.parked[self.key]
-            return
-        if not self.future.done():
-            self.future.set_result(_answer(stored, self.digest))
-        shard.parked.pop(self.key).resolve(stored)
+        if self.lookup is not None:
+            _settle(shard, self.key, self.lookup.result)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
         if shard is not None and self.lookup is not None:
             # The lookup failed: nobody owns the key, and those parked behind it fail too.
-            state: _InFlight | None = shard.parked.pop(self.key, None)
+            state = _drop(shard, self.key)
             if state is not None:
                 state.close(exc)
+
+
+class _Relook(Call):
+    """The key's lock came free (its owner in another process finished or died): look again."""
+
+    __slots__ = ("error", "fd", "key", "lookup")
+
+    def __init__(
+        self, future: asyncio.Future[None], key: str, fd: int | None, error: BaseException | None
+    ) -> None:
+        super().__init__(future)
+        self.key = key
+        self.fd = fd
+        self.error = error
+        self.lookup: Lookup | None = None
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        state: _InFlight | None = shard.parked.get(self.key)
+        if state is None or self.fd is None:
+            if state is not None:
+                _drop(shard, self.key)
+                state.close(StoreError(f"cannot lock the key: {self.error}"))
+            elif self.fd is not None and shard.store.locks is not None:
+                shard.store.locks.release(self.fd)
+            return
+        state.lock_fd = self.fd
+        if not state.live():  # everyone waiting gave up meanwhile
+            _drop(shard, self.key)
+            return
+        self.lookup = Lookup(self.key)
+        ops.append(self.lookup)
+
+    def finish(self, shard: Shard) -> None:
+        if self.lookup is not None:
+            _settle(shard, self.key, self.lookup.result)
+
+    def fail(self, shard: Shard | None, exc: BaseException) -> None:
+        # Nobody awaits a relook: its failure goes to the waiters it was for.
+        state = _drop(shard, self.key) if shard is not None else None
+        if state is not None:
+            state.close(exc)
+        elif self.fd is not None and shard is not None and shard.store.locks is not None:
+            shard.store.locks.release(self.fd)
+
+
+def _wait_for_lock(shard: Shard, key: str, locks: KeyLocks) -> None:
+    """Block a daemon thread (not the loop, not the CPU) until the key's lock is ours."""
+    loop = asyncio.get_running_loop()
+
+    def deliver(fd: int | None, error: BaseException | None) -> None:
+        relook = _Relook(loop.create_future(), key, fd, error)
+        try:
+            shard.mailbox.send_nowait(relook, force=True)
+        except PoolClosedError:
+            if fd is not None:
+                locks.release(fd)
+
+    def wait() -> None:
+        fd: int | None = None
+        error: OSError | None = None
+        try:
+            fd = locks.acquire(key)
+        except OSError as exc:
+            logger.error("porch: waiting for the lock of an idempotency key failed: %s", exc)
+            error = exc
+        try:
+            loop.call_soon_threadsafe(deliver, fd, error)
+        except RuntimeError:  # the loop is closed: nobody is left to own the key
+            if fd is not None:
+                locks.release(fd)
+
+    threading.Thread(target=wait, name="porch-key-lock", daemon=True).start()
 
 
 class Complete(Call):
@@ -144,13 +258,9 @@ class Complete(Call):
             ops.append(self.save)
 
     def finish(self, shard: Shard) -> None:
-        state: _InFlight | None = shard.parked.get(self.key)
-        if state is not None:
-            if self.save is not None:
-                del shard.parked[self.key]
-                state.resolve(self.save.response)  # only now: it is committed
-            elif not state.promote():
-                del shard.parked[self.key]
+        # Committed (or nothing to commit): only now may the lock go and waiters be told.
+        if self.key in shard.parked:
+            _settle(shard, self.key, None if self.save is None else self.save.response)
         if not self.future.done():
             self.future.set_result(None)
 
@@ -159,6 +269,6 @@ class Complete(Call):
         if shard is not None:
             # Not stored, so not replayable: waiters get the store failure, not a response
             # that no retry could ever be shown again.
-            state: _InFlight | None = shard.parked.pop(self.key, None)
+            state = _drop(shard, self.key)
             if state is not None:
                 state.close(exc if isinstance(exc, StoreError) else StoreError(str(exc)))

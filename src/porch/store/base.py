@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from ..locks import KeyLocks
 
 __all__ = [
     "Durability",
@@ -97,7 +100,13 @@ class StoreStatistics:
 
 
 class Store(Protocol):
-    """A durable backend for counters and stored responses."""
+    """A durable backend for counters and stored responses.
+
+    ``locks`` gives idempotency ownership across processes sharing the store
+    (None: ownership is per process).
+    """
+
+    locks: KeyLocks | None
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

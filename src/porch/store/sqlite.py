@@ -23,6 +23,7 @@ from typing import Any
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, StoreError
+from ..locks import KeyLocks, ofd_locks_available
 from .base import Durability, Hit, Lookup, Save, StoredResponse, StoreOp, StoreStatistics
 from .sqlite_schema import migrate, rebase_after_reboot
 
@@ -89,6 +90,12 @@ class SQLiteStore:
         self.busy_timeout = busy_timeout
         self.prune_batch = prune_batch
         self.clock: Clock = clock if clock is not None else SystemClock()
+        # Idempotency owners of every process sharing this file lock keys here.
+        self.locks: KeyLocks | None = (
+            KeyLocks(self.path.with_name(self.path.name + ".locks"))
+            if ofd_locks_available()
+            else None
+        )
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
