@@ -23,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ._asgi import adding_headers
+from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .identity import ClientIdentity
@@ -195,7 +197,22 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         exempt=("/health",),
     )
     app.state.pool = pool
+    # Outermost: every response, replays and refusals included, names the worker
+    # process that served it, so multi-worker runs can be checked from outside.
+    app.add_middleware(_WorkerHeader)
     return app
+
+
+class _WorkerHeader:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.header = (b"x-demo-worker", str(os.getpid()).encode("ascii"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, receive, adding_headers(send, (self.header,)))
 
 
 def create_app_from_env() -> Starlette:
