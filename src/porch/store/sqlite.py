@@ -108,6 +108,11 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._thread is not None:
             return
+        if self.locks is None:
+            logger.info(
+                "porch: no open-file-description locks on this platform; idempotency "
+                "ownership is per process (counters stay exact across processes)"
+            )
         loop = asyncio.get_running_loop()
         self._loop = loop
         ready: asyncio.Future[None] = loop.create_future()
