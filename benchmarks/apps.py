@@ -1,12 +1,17 @@
-"""The apps the benchmark serves: one hello-world route, bare or behind porch.
+"""The apps the benchmarks serve: one hello-world route, bare, behind porch, or behind a peer.
 
-Selected by the environment (uvicorn builds the app in the server process):
-``BENCH_VARIANT`` names the variant, ``BENCH_DATA`` the data directory.
+uvicorn builds the app in each server process from the environment:
+``BENCH_VARIANT`` names the variant, ``BENCH_DATA`` the data directory,
+``BENCH_WINDOW`` the limiter window (seconds), ``BENCH_TRUST_HOPS`` the trusted
+proxy hops (for runs that set a different forwarded client per request), and
+``BENCH_REDIS`` the Redis URL of the Redis-backed peers.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -14,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from porch import (
+    ClientIdentity,
     IdempotencyMiddleware,
     IdempotencyRule,
     KeyPool,
@@ -23,15 +29,37 @@ from porch import (
     SQLiteStore,
 )
 
-VARIANTS = ("bare", "limiter", "limiter-power", "idempotency")
+VARIANTS = (
+    "bare",
+    "limiter",
+    "limiter-power",
+    "idempotency",
+    "slowapi-memory",
+    "slowapi-redis",
+    "peer-idempotency",
+)
 
 # Far above anything a run can send: the limiter counts every request, refuses none.
 HUGE = 1_000_000_000
 
 
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _db_bytes(data: Path) -> int:
+    return sum(p.stat().st_size for p in data.glob("porch.sqlite3*") if p.is_file())
+
+
 def create() -> Starlette:
     variant = os.environ.get("BENCH_VARIANT", "bare")
-    data = os.environ.get("BENCH_DATA", "./bench-data")
+    data = Path(os.environ.get("BENCH_DATA", "./bench-data"))
+    window = float(os.environ.get("BENCH_WINDOW", "3600"))
+    hops = int(os.environ.get("BENCH_TRUST_HOPS", "0"))
+    redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
     pools: list[KeyPool] = []
 
     async def hello(request: Request) -> Response:
@@ -42,31 +70,36 @@ def create() -> Starlette:
         return JSONResponse({"id": 1, "size": len(body)}, status_code=201)
 
     async def stats(request: Request) -> Response:
-        transactions = operations = calls = 0
+        totals: dict[str, Any] = {"transactions": 0, "operations": 0, "calls": 0}
         for pool in pools:
             s = pool.statistics()
-            transactions += s.store.transactions
-            operations += s.store.operations
-            calls += s.calls
-        return JSONResponse(
-            {"transactions": transactions, "operations": operations, "calls": calls}
-        )
+            totals["transactions"] += s.store.transactions
+            totals["operations"] += s.store.operations
+            totals["calls"] += s.calls
+        totals["rss_bytes"] = _rss_bytes()
+        totals["db_bytes"] = _db_bytes(data)
+        return JSONResponse(totals)
 
-    app = Starlette(
-        routes=[
-            Route("/", hello),
-            Route("/orders", order, methods=["POST"]),
-            Route("/__stats", stats),
-        ]
-    )
+    routes = [
+        Route("/", hello),
+        Route("/orders", order, methods=["POST"]),
+        Route("/__stats", stats),
+    ]
+
+    if variant.startswith("slowapi"):
+        return _slowapi(routes, hello, "memory://" if variant == "slowapi-memory" else redis_url)
+
+    app = Starlette(routes=routes)
     if variant in ("limiter", "limiter-power"):
-        durability = "power" if variant == "limiter-power" else "process"
-        pool = KeyPool(SQLiteStore(data, durability=durability))
+        pool = KeyPool(
+            SQLiteStore(data, durability="power" if variant == "limiter-power" else "process")
+        )
         pools.append(pool)
         app.add_middleware(
             RateLimitMiddleware,
             pool=pool,
-            rules=Rule(Limit(HUGE, 3600)),
+            rules=Rule(Limit(HUGE, window)),
+            key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
         )
     elif variant == "idempotency":
@@ -75,6 +108,30 @@ def create() -> Starlette:
         app.add_middleware(
             IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders", methods=["POST"])
         )
+    elif variant == "peer-idempotency":
+        from idempotency_header_middleware import IdempotencyHeaderMiddleware
+        from idempotency_header_middleware.backends.memory import MemoryBackend
+
+        app.add_middleware(IdempotencyHeaderMiddleware, backend=MemoryBackend())
     elif variant != "bare":
         raise SystemExit(f"unknown BENCH_VARIANT {variant!r}; one of {VARIANTS}")
+    return app
+
+
+def _slowapi(routes: list[Route], hello: Any, storage: str) -> Starlette:
+    """slowapi as documented: a Limiter with default limits, and its pure-ASGI middleware
+    (the faster of its two; the other is a BaseHTTPMiddleware)."""
+    from slowapi import Limiter, _rate_limit_exceeded_handler
+    from slowapi.errors import RateLimitExceeded
+    from slowapi.middleware import SlowAPIASGIMiddleware
+    from slowapi.util import get_remote_address
+
+    limiter = Limiter(
+        key_func=get_remote_address, default_limits=[f"{HUGE}/hour"], storage_uri=storage
+    )
+    app = Starlette(routes=routes)
+    app.state.limiter = limiter
+    app.add_exception_handler(RateLimitExceeded, _rate_limit_exceeded_handler)  # type: ignore[arg-type]
+    app.add_middleware(SlowAPIASGIMiddleware)
+    limiter.exempt(routes[2].endpoint)
     return app

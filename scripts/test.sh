@@ -9,8 +9,8 @@ if ! command -v faketime >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
         echo "could not install faketime; that leg will be skipped" >&2
 fi
 echo "== ruff" >&2
-ruff check src tests
-ruff format --check src tests
+ruff check src tests benchmarks
+ruff format --check src tests benchmarks
 echo "== mypy --strict" >&2
 mypy
 echo "== pytest" >&2
