@@ -98,6 +98,22 @@ def _read_only(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any process (not a zombie) is still in process group ``pgid``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 class DemoServer:
     """One ``porch demo`` process (and its restarts on the same data directory)."""
 
@@ -170,8 +186,15 @@ class DemoServer:
         ]
         out, err = self._logs()
         with open(out, "wb") as stdout, open(err, "wb") as stderr:
+            # A session of its own: kill() reaches uvicorn's workers too, which
+            # would otherwise outlive a SIGKILLed supervisor and keep serving.
             self.proc = subprocess.Popen(
-                command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=child_env
+                command,
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                start_new_session=True,
             )
         self._wait_ready()
 
@@ -220,12 +243,18 @@ class DemoServer:
         return code
 
     def kill(self) -> None:
-        """SIGKILL: no shutdown code runs at all."""
+        """SIGKILL the server and every worker process: no shutdown code runs at all."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=STOP_TIMEOUT)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while _group_alive(proc.pid):
+            if time.monotonic() > deadline:
+                pytest.fail(f"processes of group {proc.pid} survived SIGKILL")
+            time.sleep(0.02)
 
     def restart(self, *, env: Mapping[str, str] | None = None, same_port: bool = False) -> None:
         """Start again on the same data directory (the previous run must have ended)."""
