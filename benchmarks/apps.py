@@ -31,6 +31,7 @@ from porch import (
 
 VARIANTS = (
     "bare",
+    "bare-headers",
     "limiter",
     "limiter-power",
     "idempotency",
@@ -41,6 +42,16 @@ VARIANTS = (
 
 # Far above anything a run can send: the limiter counts every request, refuses none.
 HUGE = 1_000_000_000
+
+# What the limiter adds to a response, sent by the bare app itself: the cost of the
+# headers alone (the server formats and sends them), with no counting at all.
+LIMITER_HEADERS = {
+    "x-ratelimit-limit": "1000000000",
+    "x-ratelimit-remaining": "999999999",
+    "x-ratelimit-reset": "1796046686",
+    "ratelimit-policy": '"1000000000-per-3600s";q=1000000000;w=3600',
+    "ratelimit": '"1000000000-per-3600s";r=999999999;t=3600',
+}
 
 
 def _rss_bytes() -> int:
@@ -62,8 +73,10 @@ def create() -> Starlette:
     redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
     pools: list[KeyPool] = []
 
+    headers = LIMITER_HEADERS if variant == "bare-headers" else None
+
     async def hello(request: Request) -> Response:
-        return PlainTextResponse("Hello, world!")
+        return PlainTextResponse("Hello, world!", headers=headers)
 
     async def order(request: Request) -> Response:
         body = await request.body()
@@ -113,7 +126,7 @@ def create() -> Starlette:
         from idempotency_header_middleware.backends.memory import MemoryBackend
 
         app.add_middleware(IdempotencyHeaderMiddleware, backend=MemoryBackend())
-    elif variant != "bare":
+    elif variant not in ("bare", "bare-headers"):
         raise SystemExit(f"unknown BENCH_VARIANT {variant!r}; one of {VARIANTS}")
     return app
 

@@ -67,6 +67,13 @@ class Case:
 
 CASES = (
     Case("bare", "bare", GET, "bare", "Starlette hello world, GET /"),
+    Case(
+        "bare-headers",
+        "bare-headers",
+        GET,
+        "bare",
+        "bare app sending the limiter's five headers itself (their cost alone)",
+    ),
     Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
     Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),

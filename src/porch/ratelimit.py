@@ -79,9 +79,19 @@ class _HitCall(Call):
 
 
 class _CompiledRule:
-    """A rule with everything per-request precomputed."""
+    """A rule with everything per-request precomputed (header bytes included)."""
 
-    __slots__ = ("amounts", "limits", "names", "policy_header", "prefixes", "rule", "windows")
+    __slots__ = (
+        "amounts",
+        "limit_bytes",
+        "limits",
+        "names",
+        "policy_header",
+        "prefixes",
+        "rule",
+        "status_prefixes",
+        "windows",
+    )
 
     def __init__(self, rule: Rule) -> None:
         self.rule = rule
@@ -90,6 +100,8 @@ class _CompiledRule:
         self.windows = tuple(float(limit.window) for limit in rule.limits)
         self.names = tuple(limit.name for limit in rule.limits)
         self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in rule.limits)
+        self.limit_bytes = tuple(str(limit.amount).encode("ascii") for limit in rule.limits)
+        self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in rule.limits)
         self.policy_header = ", ".join(
             f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
         ).encode("ascii")
@@ -171,7 +183,9 @@ class RateLimitMiddleware:
 
         client = self._key(scope)
         pool = self.pool
-        hit = Hit([p + client for p in compiled.prefixes], compiled.amounts, compiled.windows)
+        prefixes = compiled.prefixes
+        keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
+        hit = Hit(keys, compiled.amounts, compiled.windows)
         try:
             if not pool.started:
                 await pool.start()
@@ -217,22 +231,26 @@ def _decide(
     counts = hit.counts
     resets = hit.resets
     n = len(amounts)
-    remaining = [max(0, amounts[i] - counts[i]) for i in range(n)]
     # ceil: never tell a client a window ends earlier than it does.
-    t = [max(1, math.ceil(r)) for r in resets]
-    # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
-    i = min(range(n), key=lambda j: (remaining[j], -t[j])) if n > 1 else 0
+    if n == 1:  # the common rule: one limit, no choosing
+        i = 0
+        remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
+        t = [math.ceil(resets[0]) or 1]
+        status = compiled.status_prefixes[0] + b"%d;t=%d" % (remaining[0], t[0])
+    else:
+        remaining = [max(0, amounts[j] - counts[j]) for j in range(n)]
+        t = [max(1, math.ceil(r)) for r in resets]
+        # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
+        i = min(range(n), key=lambda j: (remaining[j], -t[j]))
+        status = b", ".join(
+            compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
+        )
     headers = [
-        (b"x-ratelimit-limit", str(amounts[i]).encode()),
-        (b"x-ratelimit-remaining", str(remaining[i]).encode()),
-        (b"x-ratelimit-reset", str(math.ceil(hit.wall + resets[i])).encode()),
+        (b"x-ratelimit-limit", compiled.limit_bytes[i]),
+        (b"x-ratelimit-remaining", b"%d" % remaining[i]),
+        (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
         (b"ratelimit-policy", compiled.policy_header),
-        (
-            b"ratelimit",
-            ", ".join(
-                f'"{compiled.names[j]}";r={remaining[j]};t={t[j]}' for j in range(n)
-            ).encode(),
-        ),
+        (b"ratelimit", status),
     ]
     if hit.allowed:
         return headers, None
@@ -242,5 +260,5 @@ def _decide(
         if counts[j] >= amounts[j]
     )
     retry_after = max(p.reset_after for p in violated)
-    headers.append((b"retry-after", str(retry_after).encode()))
+    headers.append((b"retry-after", b"%d" % retry_after))
     return headers, Refusal(client, violated, retry_after)
