@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -14,42 +13,54 @@ from porch.locks import KeyLocks, ofd_locks_available
 pytestmark = pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 
 
-def test_a_held_key_cannot_be_taken_until_released(tmp_path: Path) -> None:
-    locks = KeyLocks(tmp_path / "k.locks")
-    fd = locks.try_acquire("order-1")
-    assert fd is not None
-    # Same process, another open file description: still excluded (OFD semantics).
-    assert locks.try_acquire("order-1") is None
-    other = locks.try_acquire("order-2")
-    assert other is not None
-    locks.release(fd)
-    again = locks.try_acquire("order-1")
-    assert again is not None
-    locks.release(again)
-    locks.release(other)
+def test_a_held_key_cannot_be_taken_by_another_opener_until_released(tmp_path: Path) -> None:
+    # Two KeyLocks on one file are two open file descriptions: what two worker
+    # processes are to each other.
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    try:
+        assert mine.try_acquire("order-1")
+        assert not theirs.try_acquire("order-1")
+        assert theirs.try_acquire("order-2")
+        mine.release("order-1")
+        assert theirs.try_acquire("order-1")
+    finally:
+        mine.close()
+        theirs.close()
 
 
 def test_a_waiter_blocks_without_spinning_until_release(tmp_path: Path) -> None:
-    locks = KeyLocks(tmp_path / "k.locks")
-    fd = locks.try_acquire("k")
-    assert fd is not None
-    got: list[int] = []
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    assert mine.try_acquire("k")
+    got = threading.Event()
     cpu: list[float] = []
 
     def wait() -> None:
         start = time.thread_time()
-        got.append(locks.acquire("k"))
+        theirs.acquire("k")
         cpu.append(time.thread_time() - start)
+        got.set()
 
     thread = threading.Thread(target=wait)
     thread.start()
-    time.sleep(0.5)
-    assert got == []
-    locks.release(fd)
-    thread.join(5)
-    assert len(got) == 1
-    assert cpu[0] < 0.05  # half a second parked in the kernel, not polling
-    locks.release(got[0])
+    try:
+        assert not got.wait(0.5)
+        mine.release("k")
+        assert got.wait(5)
+        assert cpu[0] < 0.05  # half a second parked in the kernel, not polling
+    finally:
+        thread.join(5)
+        mine.close()
+        theirs.close()
+
+
+def test_closing_drops_every_lock(tmp_path: Path) -> None:
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    assert mine.try_acquire("a")
+    assert mine.try_acquire("b")
+    mine.close()
+    assert theirs.try_acquire("a")
+    assert theirs.try_acquire("b")
+    theirs.close()
 
 
 def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
@@ -58,24 +69,23 @@ def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, time; from porch.locks import KeyLocks;"
-            f"fd = KeyLocks({str(path)!r}).try_acquire('k'); print(fd is not None, flush=True);"
-            "time.sleep(60)",
+            "import time; from porch.locks import KeyLocks;"
+            f"print(KeyLocks({str(path)!r}).try_acquire('k'), flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
+    locks = KeyLocks(path)
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "True"
-        locks = KeyLocks(path)
-        assert locks.try_acquire("k") is None
+        assert not locks.try_acquire("k")
         holder.kill()
         holder.wait(5)
-        fd = locks.try_acquire("k")
-        assert fd is not None  # no lease to expire: the kernel dropped it with the process
-        locks.release(fd)
+        # No lease to expire: the kernel dropped the lock with the process.
+        assert locks.try_acquire("k")
     finally:
+        locks.close()
         if holder.poll() is None:
             holder.kill()
             holder.wait()
@@ -84,4 +94,3 @@ def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
 def test_offsets_are_stable_and_spread() -> None:
     assert KeyLocks.offset("a") == KeyLocks.offset("a")
     assert len({KeyLocks.offset(f"k{i}") for i in range(1000)}) == 1000
-    assert os.path.basename(str(KeyLocks("x/y.locks").path)) == "y.locks"

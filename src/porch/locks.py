@@ -1,12 +1,14 @@
 """Key ownership across the processes of one host: OFD byte-range locks on a lock file.
 
 An idempotency owner holds a write lock on one byte of ``<store>.locks``, at an
-offset derived from the key. Linux open-file-description locks (``F_OFD_SETLK``)
-belong to the open file, not to the process, so two owners in the same process
-exclude each other too; and the kernel drops them when the file is closed —
-also when the process is killed — so ownership dies with its process and no
-lease has to expire. A waiter blocks in ``F_OFD_SETLKW`` in a thread of its
-own: no polling, no CPU.
+offset derived from the key (a 62-bit hash). Linux open-file-description locks
+(``F_OFD_SETLK``) belong to an open file, which each process opens once for
+itself (never inherited: ``O_CLOEXEC``, and reopened after a fork); the kernel
+drops them when that file is closed — also when the process is killed — so
+ownership dies with its process and no lease has to expire. Within a process
+the key pool already serializes each key, so the locks only arbitrate between
+processes. A waiter blocks in ``F_OFD_SETLKW`` in a thread of its own: no
+polling, no CPU.
 """
 
 from __future__ import annotations
@@ -38,56 +40,60 @@ def ofd_locks_available() -> bool:
 
 
 class KeyLocks:
-    """One lock file; ``try_acquire`` and ``acquire`` return an open descriptor that holds
-    the key's lock until :meth:`release` closes it."""
+    """One lock file, opened once per process; a key's lock is one byte of it."""
 
-    __slots__ = ("path",)
+    __slots__ = ("_fd", "_pid", "path")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._fd = -1
+        self._pid = 0
 
     @staticmethod
     def offset(key: str) -> int:
         digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         return int.from_bytes(digest, "big") % _OFFSETS
 
-    def _flock(self, key: str, kind: int) -> bytes:
-        return struct.pack(_FLOCK, kind, os.SEEK_SET, self.offset(key), 1, 0)
+    def _file(self) -> int:
+        # A descriptor inherited through fork() would share its locks with the
+        # parent: open our own in each process.
+        pid = os.getpid()
+        if self._pid != pid:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._pid = pid
+        return self._fd
 
-    def _open(self) -> int:
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def try_acquire(self, key: str) -> int | None:
-        """Take the key's lock without waiting; None if another owner holds it."""
-        if _SETLK is None:
+    def _fcntl(self, command: int | None, key: str, kind: int) -> None:
+        if command is None:
             raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
-        fd = self._open()
+        flock = struct.pack(_FLOCK, kind, os.SEEK_SET, self.offset(key), 1, 0)
+        fcntl.fcntl(self._file(), command, flock)
+
+    def try_acquire(self, key: str) -> bool:
+        """Take the key's lock without waiting; False if another process holds it."""
         try:
-            fcntl.fcntl(fd, _SETLK, self._flock(key, fcntl.F_WRLCK))
+            self._fcntl(_SETLK, key, fcntl.F_WRLCK)
         except OSError as exc:
-            os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return None
+                return False
             raise
-        return fd
+        return True
 
-    def acquire(self, key: str) -> int:
+    def acquire(self, key: str) -> None:
         """Wait (blocking the calling thread, not spinning) until the key's lock is ours."""
-        if _SETLKW is None:
-            raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
-        fd = self._open()
-        try:
-            while True:
-                try:
-                    fcntl.fcntl(fd, _SETLKW, self._flock(key, fcntl.F_WRLCK))
-                    return fd
-                except InterruptedError:
-                    continue
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            try:
+                self._fcntl(_SETLKW, key, fcntl.F_WRLCK)
+                return
+            except InterruptedError:
+                continue
 
-    @staticmethod
-    def release(fd: int) -> None:
-        """Drop the lock (closing the descriptor releases it)."""
-        os.close(fd)
+    def release(self, key: str) -> None:
+        """Drop the key's lock."""
+        self._fcntl(_SETLK, key, fcntl.F_UNLCK)
+
+    def close(self) -> None:
+        """Close the lock file, dropping every lock this process holds in it."""
+        if self._pid == os.getpid() and self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._pid = -1, 0

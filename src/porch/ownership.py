@@ -59,17 +59,21 @@ def _answer(stored: StoredResponse, digest: bytes) -> StoredResponse | Mismatch:
 class _InFlight:
     """A key being decided or run in this process: its waiters and its cross-process lock."""
 
-    __slots__ = ("lock_fd", "locks", "waiters")
+    __slots__ = ("key", "locked", "locks", "waiters")
 
-    def __init__(self, locks: KeyLocks | None) -> None:
+    def __init__(self, key: str, locks: KeyLocks | None) -> None:
+        self.key = key
         self.waiters: deque[Acquire] = deque()
         self.locks = locks
-        self.lock_fd: int | None = None
+        self.locked = False
 
     def release(self) -> None:
-        if self.lock_fd is not None and self.locks is not None:
-            self.locks.release(self.lock_fd)
-            self.lock_fd = None
+        if self.locked and self.locks is not None:
+            self.locked = False
+            try:
+                self.locks.release(self.key)
+            except OSError as exc:  # the lock goes with the file at exit anyway
+                logger.error("porch: releasing the lock of an idempotency key failed: %s", exc)
 
     def close(self, exc: BaseException) -> None:
         self.release()
@@ -135,17 +139,17 @@ class Acquire(Call):
         # The first caller is the first waiter: the lookup's outcome answers it
         # like everyone parked behind it meanwhile (see _settle).
         locks = shard.store.locks
-        state = _InFlight(locks)
+        state = _InFlight(self.key, locks)
         state.waiters.append(self)
         shard.parked[self.key] = state
         if locks is not None:
             try:
-                state.lock_fd = locks.try_acquire(self.key)
+                state.locked = locks.try_acquire(self.key)
             except OSError as exc:
                 _drop(shard, self.key)
                 self.future.set_exception(StoreError(f"cannot lock the key: {exc}"))
                 return
-            if state.lock_fd is None:
+            if not state.locked:
                 # Another process owns the key: wait for its lock, then look again.
                 _wait_for_lock(shard, self.key, locks)
                 return
@@ -168,27 +172,24 @@ class Acquire(Call):
 class _Relook(Call):
     """The key's lock came free (its owner in another process finished or died): look again."""
 
-    __slots__ = ("error", "fd", "key", "lookup")
+    __slots__ = ("error", "key", "lookup")
 
-    def __init__(
-        self, future: asyncio.Future[None], key: str, fd: int | None, error: BaseException | None
-    ) -> None:
+    def __init__(self, future: asyncio.Future[None], key: str, error: BaseException | None) -> None:
         super().__init__(future)
         self.key = key
-        self.fd = fd
-        self.error = error
+        self.error = error  # None: the lock is ours now
         self.lookup: Lookup | None = None
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         state: _InFlight | None = shard.parked.get(self.key)
-        if state is None or self.fd is None:
+        if state is None or self.error is not None:
             if state is not None:
                 _drop(shard, self.key)
                 state.close(StoreError(f"cannot lock the key: {self.error}"))
-            elif self.fd is not None and shard.store.locks is not None:
-                shard.store.locks.release(self.fd)
+            elif self.error is None and shard.store.locks is not None:
+                shard.store.locks.release(self.key)
             return
-        state.lock_fd = self.fd
+        state.locked = True
         if not state.live():  # everyone waiting gave up meanwhile
             _drop(shard, self.key)
             return
@@ -203,36 +204,36 @@ class _Relook(Call):
         # Nobody awaits a relook: its failure goes to the waiters it was for.
         state = _drop(shard, self.key) if shard is not None else None
         if state is not None:
+            state.locked = self.error is None  # ours if the thread got it: close() frees it
             state.close(exc)
-        elif self.fd is not None and shard is not None and shard.store.locks is not None:
-            shard.store.locks.release(self.fd)
+        elif self.error is None and shard is not None and shard.store.locks is not None:
+            shard.store.locks.release(self.key)
 
 
 def _wait_for_lock(shard: Shard, key: str, locks: KeyLocks) -> None:
     """Block a daemon thread (not the loop, not the CPU) until the key's lock is ours."""
     loop = asyncio.get_running_loop()
 
-    def deliver(fd: int | None, error: BaseException | None) -> None:
-        relook = _Relook(loop.create_future(), key, fd, error)
+    def deliver(error: BaseException | None) -> None:
+        relook = _Relook(loop.create_future(), key, error)
         try:
             shard.mailbox.send_nowait(relook, force=True)
         except PoolClosedError:
-            if fd is not None:
-                locks.release(fd)
+            if error is None:
+                locks.release(key)
 
     def wait() -> None:
-        fd: int | None = None
         error: OSError | None = None
         try:
-            fd = locks.acquire(key)
+            locks.acquire(key)
         except OSError as exc:
             logger.error("porch: waiting for the lock of an idempotency key failed: %s", exc)
             error = exc
         try:
-            loop.call_soon_threadsafe(deliver, fd, error)
+            loop.call_soon_threadsafe(deliver, error)
         except RuntimeError:  # the loop is closed: nobody is left to own the key
-            if fd is not None:
-                locks.release(fd)
+            if error is None:
+                locks.release(key)
 
     threading.Thread(target=wait, name="porch-key-lock", daemon=True).start()
 

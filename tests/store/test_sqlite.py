@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -254,3 +257,30 @@ def test_bad_settings_are_configuration_errors(
 async def test_apply_before_open_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="not open"):
         await SQLiteStore(tmp_path).apply([Hit(["k"], [1], [1.0])])
+
+
+def test_many_processes_opening_a_new_file_all_succeed(tmp_path: Path) -> None:
+    # Worker processes start together on an empty data directory: creating the
+    # file and switching it to WAL must not fail any of them with "locked".
+    script = (
+        "import asyncio, sys, time\n"
+        "from porch.store.sqlite import SQLiteStore\n"
+        "from porch.store.base import Hit\n"
+        "async def main():\n"
+        "    s = SQLiteStore(sys.argv[1])\n"
+        "    while time.time() < float(sys.argv[2]): pass\n"
+        "    await s.open()\n"
+        "    await s.apply([Hit(['k'], [100], [60.0])])\n"
+        "    await s.close()\n"
+        "asyncio.run(main())\n"
+    )
+    start = str(time.time() + 1.5)  # every process starts opening at the same instant
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path), start], stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    errors = [p.communicate(timeout=30)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, errors
+    assert rows(tmp_path / "porch.sqlite3")["k"][0] == 6

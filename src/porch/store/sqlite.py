@@ -17,6 +17,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -148,12 +149,33 @@ class SQLiteStore:
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-        )
+        # Several worker processes start at once on one file: switching a new file
+        # to WAL answers "locked" without waiting, so the opening is retried (with
+        # a short sleep: this is start-up, in the writer thread) until busy_timeout.
+        deadline = time.monotonic() + max(self.busy_timeout, 0.1)  # real time: start-up only
+        delay = 0.005
+        while True:
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            try:
+                self._prepare(conn)
+                return conn
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                if not busy or time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            except BaseException:
+                conn.close()
+                raise
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
-        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
         conn.execute("BEGIN IMMEDIATE")
         try:
             migrate(conn)
@@ -163,10 +185,9 @@ class SQLiteStore:
                 logger.info("porch: rebased stored windows after a reboot (%s)", self.path)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
-            conn.close()
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        return conn
 
     def _writer(self, ready: asyncio.Future[None]) -> None:
         loop = self._loop
