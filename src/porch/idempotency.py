@@ -191,8 +191,14 @@ class IdempotencyMiddleware:
                 await pool.start()
             future: asyncio.Future[Outcome] = loop.create_future()
             pool.submit(key, Acquire(future, key, digest))
-            # Parked behind a running owner costs a parked task, no polling.
-            outcome = await asyncio.wait_for(future, self.wait_timeout)
+            # Parked behind a running owner costs a parked task, no polling. The
+            # deadline settles the future itself (cheaper than wait_for); the
+            # shard skips a waiter whose future is already done.
+            deadline = loop.call_later(self.wait_timeout, _expire, future)
+            try:
+                outcome = await future
+            finally:
+                deadline.cancel()
         except TimeoutError:
             await problem(
                 409,
@@ -247,6 +253,11 @@ class IdempotencyMiddleware:
 
 class _BodyTooLarge(Exception):
     """Raised when a keyed request body exceeds ``max_body``."""
+
+
+def _expire(future: asyncio.Future[Outcome]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

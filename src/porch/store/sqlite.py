@@ -11,7 +11,6 @@ the lock, never a read-modify-write from a request task.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import queue
@@ -20,41 +19,17 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, StoreError
 from ..locks import KeyLocks, ofd_locks_available
-from .base import Durability, Hit, Lookup, Save, StoredResponse, StoreOp, StoreStatistics
+from .base import Durability, StoreOp, StoreStatistics
+from .sqlite_ops import apply_batch
 from .sqlite_schema import migrate, rebase_after_reboot
 
 __all__ = ["SQLiteStore"]
 
 logger = logging.getLogger("porch.store")
-
-_UPSERT_COUNTER = (
-    "INSERT INTO counters (key, count, window_start, expires, wall_start) VALUES (?, ?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET count = excluded.count,"
-    " window_start = excluded.window_start, expires = excluded.expires,"
-    " wall_start = excluded.wall_start"
-)
-_PRUNE_COUNTERS = (
-    "DELETE FROM counters WHERE key IN"
-    " (SELECT key FROM counters WHERE expires <= ? ORDER BY expires LIMIT ?)"
-)
-_PRUNE_RESPONSES = (
-    "DELETE FROM responses WHERE key IN"
-    " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
-)
-_SELECT_RESPONSE = "SELECT digest, status, headers, body, expires FROM responses WHERE key = ?"
-_UPSERT_RESPONSE = (
-    "INSERT INTO responses (key, digest, status, headers, body, stored_at, expires, stored_wall)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
-    " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
-    " expires = excluded.expires, stored_wall = excluded.stored_wall"
-)
-_SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
 
 _Job = tuple[Sequence[StoreOp], "asyncio.Future[None]"]
 
@@ -241,23 +216,7 @@ class SQLiteStore:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            hits: list[Hit] = []
-            saved = 0
-            for op in ops:
-                # Ops apply in arrival order; hits are batched, and no hit reads
-                # what a lookup or save of the same batch writes.
-                if type(op) is Hit:
-                    hits.append(op)
-                elif type(op) is Lookup:
-                    op.result = _lookup(conn, op.key, now)
-                elif type(op) is Save:
-                    _save(conn, op, now, wall)
-                    saved += 1
-            if hits:
-                created = self._apply_hits(conn, hits, now, wall)
-                conn.execute(_PRUNE_COUNTERS, (now, max(self.prune_batch, 2 * created)))
-            if saved:
-                conn.execute(_PRUNE_RESPONSES, (now, max(self.prune_batch, 2 * saved)))
+            apply_batch(conn, ops, now, wall, self.prune_batch)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -265,76 +224,6 @@ class SQLiteStore:
             raise
         self._transactions += 1
         self._operations += len(ops)
-
-    @staticmethod
-    def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
-        # key -> [count, window_start, expires, wall_start, dirty]; read once per
-        # transaction, written once per transaction, however many hits share a key.
-        rows: dict[str, list[Any]] = {}
-        wanted = list({key for hit in hits for key in hit.keys})
-        for i in range(0, len(wanted), _SELECT_CHUNK):
-            chunk = wanted[i : i + _SELECT_CHUNK]
-            marks = ",".join("?" * len(chunk))
-            for key, count, start, expires, wall_start in conn.execute(
-                "SELECT key, count, window_start, expires, wall_start FROM counters"
-                f" WHERE key IN ({marks})",
-                chunk,
-            ):
-                rows[key] = [count, start, expires, wall_start, False]
-        created = 0
-        for hit in hits:
-            current: list[list[Any]] = []
-            allowed = True
-            for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
-                row = rows.get(key)
-                if row is None or now >= row[2]:
-                    # A fresh window, or an elapsed one overwritten in place (the
-                    # expired row is pruned on this access, never deleted+inserted).
-                    if row is None:
-                        created += 1
-                    row = [0, now, now + window, wall, True]
-                    rows[key] = row
-                if row[0] >= amount:
-                    allowed = False
-                current.append(row)
-            if allowed:
-                for row in current:
-                    row[0] += 1
-                    row[4] = True
-            hit.allowed = allowed
-            hit.counts = [row[0] for row in current]
-            hit.resets = [row[2] - now for row in current]
-            hit.wall = wall
-        conn.executemany(
-            _UPSERT_COUNTER,
-            [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4]],
-        )
-        return created
-
-
-def _lookup(conn: sqlite3.Connection, key: str, now: float) -> StoredResponse | None:
-    row = conn.execute(_SELECT_RESPONSE, (key,)).fetchone()
-    if row is None:
-        return None
-    digest, status, headers, body, expires = row
-    if now >= expires:
-        conn.execute("DELETE FROM responses WHERE key = ?", (key,))  # pruned when touched
-        return None
-    return StoredResponse(
-        bytes(digest),
-        int(status),
-        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
-        bytes(body),
-    )
-
-
-def _save(conn: sqlite3.Connection, op: Save, now: float, wall: float) -> None:
-    response = op.response
-    headers = json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers])
-    conn.execute(
-        _UPSERT_RESPONSE,
-        (op.key, response.digest, response.status, headers, response.body, now, now + op.ttl, wall),
-    )
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
