@@ -154,6 +154,7 @@ class IdempotencyMiddleware:
         try:
             body = await self._read_body(receive)
         except _BodyTooLarge:
+            logger.info("porch: refused a keyed body over max_body=%d bytes (413)", self.max_body)
             await problem(413, f"a keyed request body may be at most {self.max_body} bytes")(
                 scope, receive, send
             )
@@ -200,6 +201,7 @@ class IdempotencyMiddleware:
             finally:
                 deadline.cancel()
         except TimeoutError:
+            logger.info("porch: a duplicate waited %.1f s for its owner; 409", self.wait_timeout)
             await problem(
                 409,
                 "a request with this Idempotency-Key is still being processed; retry later",
@@ -222,6 +224,7 @@ class IdempotencyMiddleware:
         if isinstance(outcome, StoredResponse):
             await _replay(outcome)(scope, receive, send)
         elif isinstance(outcome, Mismatch):
+            logger.info("porch: an Idempotency-Key was reused for a different request (422)")
             await problem(422, "this Idempotency-Key was used for a different request")(
                 scope, receive, send
             )

@@ -147,7 +147,7 @@ class Acquire(Call):
                 state.locked = locks.try_acquire(self.key)
             except OSError as exc:
                 _drop(shard, self.key)
-                self.future.set_exception(StoreError(f"cannot lock the key: {exc}"))
+                state.close(StoreError(f"cannot lock the key: {exc}"))
                 return
             if not state.locked:
                 # Another process owns the key: wait for its lock, then look again.

@@ -128,8 +128,12 @@ def _apply_saves(conn: sqlite3.Connection, saves: list[Save], now: float, wall: 
     )
 
 
+# What a transaction must write for a counter row.
+_CLEAN, _COUNT, _WINDOW = 0, 1, 2
+
+
 def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
-    # key -> [count, window_start, expires, wall_start, dirty]; read once per
+    # key -> [count, window_start, expires, wall_start, write]; read once per
     # transaction, written once per transaction, however many hits share a key.
     rows: dict[str, list[Any]] = {}
     for chunk in _chunks(list({key for hit in hits for key in hit.keys})):
@@ -139,7 +143,7 @@ def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: flo
             f" WHERE key IN ({marks})",
             chunk,
         ):
-            rows[key] = [count, start, expires, wall_start, False]
+            rows[key] = [count, start, expires, wall_start, _CLEAN]
     created = 0
     for hit in hits:
         current: list[list[Any]] = []
@@ -151,7 +155,7 @@ def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: flo
                 # expired row is pruned on this access, never deleted+inserted).
                 if row is None:
                     created += 1
-                row = [0, now, now + window, wall, True]
+                row = [0, now, now + window, wall, _WINDOW]
                 rows[key] = row
             if row[0] >= amount:
                 allowed = False
@@ -159,13 +163,18 @@ def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: flo
         if allowed:
             for row in current:
                 row[0] += 1
-                row[4] = True
+                if row[4] == _CLEAN:
+                    row[4] = _COUNT
         hit.allowed = allowed
         hit.counts = [row[0] for row in current]
         hit.resets = [row[2] - now for row in current]
         hit.wall = wall
-    conn.executemany(
-        _UPSERT_COUNTER,
-        [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4]],
-    )
+    windows = [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4] == _WINDOW]
+    counts = [(r[0], key) for key, r in rows.items() if r[4] == _COUNT]
+    if windows:
+        conn.executemany(_UPSERT_COUNTER, windows)
+    if counts:
+        # Within a window only the count changes: leaving the indexed expiry
+        # column alone keeps the index pages out of the commit.
+        conn.executemany("UPDATE counters SET count = ? WHERE key = ?", counts)
     return created
