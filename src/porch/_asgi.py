@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ._types import Message, Send
+from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import StoreError
 from .pool import KeyPool
 
@@ -40,3 +40,13 @@ def lifespan_send(send: Send, pool: KeyPool) -> Send:
         await send(message)
 
     return wrapped
+
+
+async def pass_through(
+    app: ASGIApp, pool: KeyPool, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """A non-http scope goes straight to the app; lifespan also opens and closes the pool."""
+    if scope["type"] == "lifespan":
+        await app(scope, receive, lifespan_send(send, pool))
+    else:
+        await app(scope, receive, send)

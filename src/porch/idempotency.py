@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ._asgi import lifespan_send
+from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from .idempotency_keys import (
@@ -126,10 +126,7 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                await self.app(scope, receive, lifespan_send(send, self.pool))
-            else:
-                await self.app(scope, receive, send)
+            await pass_through(self.app, self.pool, scope, receive, send)
             return
         rule = self._select(scope["method"], scope["path"])
         if rule is None:

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import PoolClosedError, StoreError
 from .locks import KeyLocks
@@ -120,16 +121,33 @@ def _settle(shard: Shard, key: str, stored: StoredResponse | None) -> None:
         _drop(shard, key)
 
 
-class Acquire(Call):
-    """Ask for a key: stored response, mismatch, ownership, or park until the owner reports."""
+class _LookingUp(Call):
+    """A call that may look its key up under the key's lock, then settles the key."""
 
-    __slots__ = ("digest", "key", "lookup")
+    __slots__ = ("key", "lookup")
 
-    def __init__(self, future: asyncio.Future[Outcome], key: str, digest: bytes) -> None:
+    def __init__(self, future: asyncio.Future[Any], key: str) -> None:
         super().__init__(future)
         self.key = key
-        self.digest = digest
         self.lookup: Lookup | None = None
+
+    def _look(self, ops: list[StoreOp]) -> None:
+        self.lookup = Lookup(self.key)
+        ops.append(self.lookup)
+
+    def finish(self, shard: Shard) -> None:
+        if self.lookup is not None:
+            _settle(shard, self.key, self.lookup.result)
+
+
+class Acquire(_LookingUp):
+    """Ask for a key: stored response, mismatch, ownership, or park until the owner reports."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, future: asyncio.Future[Outcome], key: str, digest: bytes) -> None:
+        super().__init__(future, key)
+        self.digest = digest
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         state: _InFlight | None = shard.parked.get(self.key)
@@ -153,12 +171,7 @@ class Acquire(Call):
                 # Another process owns the key: wait for its lock, then look again.
                 _wait_for_lock(shard, self.key, locks)
                 return
-        self.lookup = Lookup(self.key)
-        ops.append(self.lookup)
-
-    def finish(self, shard: Shard) -> None:
-        if self.lookup is not None:
-            _settle(shard, self.key, self.lookup.result)
+        self._look(ops)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
@@ -169,16 +182,14 @@ class Acquire(Call):
                 state.close(exc)
 
 
-class _Relook(Call):
+class _Relook(_LookingUp):
     """The key's lock came free (its owner in another process finished or died): look again."""
 
-    __slots__ = ("error", "key", "lookup")
+    __slots__ = ("error",)
 
     def __init__(self, future: asyncio.Future[None], key: str, error: BaseException | None) -> None:
-        super().__init__(future)
-        self.key = key
+        super().__init__(future, key)
         self.error = error  # None: the lock is ours now
-        self.lookup: Lookup | None = None
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         state: _InFlight | None = shard.parked.get(self.key)
@@ -193,12 +204,7 @@ class _Relook(Call):
         if not state.live():  # everyone waiting gave up meanwhile
             _drop(shard, self.key)
             return
-        self.lookup = Lookup(self.key)
-        ops.append(self.lookup)
-
-    def finish(self, shard: Shard) -> None:
-        if self.lookup is not None:
-            _settle(shard, self.key, self.lookup.result)
+        self._look(ops)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         # Nobody awaits a relook: its failure goes to the waiters it was for.

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ._asgi import adding_headers, lifespan_send
+from ._asgi import adding_headers, pass_through
 from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from .identity import ClientIdentity, KeyFunc
@@ -171,10 +171,7 @@ class RateLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                await self.app(scope, receive, lifespan_send(send, self.pool))
-            else:
-                await self.app(scope, receive, send)
+            await pass_through(self.app, self.pool, scope, receive, send)
             return
         compiled = self._select(scope)
         if compiled is None:

@@ -126,9 +126,8 @@ class SQLiteStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Several worker processes start at once on one file: switching a new file
         # to WAL answers "locked" without waiting, so the opening is retried (with
-        # a short sleep: this is start-up, in the writer thread) until busy_timeout.
-        deadline = time.monotonic() + max(self.busy_timeout, 0.1)  # real time: start-up only
-        delay = 0.005
+        # a short sleep: this is start-up, in the writer thread) for busy_timeout.
+        waited, delay = 0.0, 0.005
         while True:
             conn = sqlite3.connect(
                 self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
@@ -139,9 +138,10 @@ class SQLiteStore:
             except sqlite3.OperationalError as exc:
                 conn.close()
                 busy = "locked" in str(exc) or "busy" in str(exc)
-                if not busy or time.monotonic() >= deadline:
+                if not busy or waited >= max(self.busy_timeout, 0.1):
                     raise
                 time.sleep(delay)
+                waited += delay
                 delay = min(delay * 2, 0.1)
             except BaseException:
                 conn.close()
