@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Literal
 
-from porch.errors import ConfigurationError
+from ._types import Scope
+from .errors import ConfigurationError
 
 __all__ = ["ClientIdentity", "KeyFunc"]
 
-Scope = MutableMapping[str, Any]
 KeyFunc = Callable[[Scope], str]
 
 _IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
