@@ -151,3 +151,31 @@ async def test_pool_counts_exactly_under_concurrency(tmp_path: Path) -> None:
         results = await asyncio.gather(*(c.future for c in calls))
         assert sum(h.allowed for h in results) == 150
         assert pool.statistics().store.transactions < 200
+
+
+async def test_a_closed_pool_can_start_again(tmp_path: Path) -> None:
+    pool = KeyPool(SQLiteStore(tmp_path), size=2)
+    for _ in range(2):
+        await pool.start()
+        call = HitCall(Hit(["k"], [10], [60.0]))
+        pool.submit("k", call)
+        assert (await call.future).allowed
+        assert pool.statistics().calls == 1  # fresh actors after a restart
+        await pool.close()
+
+
+async def test_a_failing_call_does_not_kill_its_shard() -> None:
+    class Broken(HitCall):
+        def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+            raise RuntimeError("bug in a call")
+
+    store = GatedStore()
+    store.gate.set()
+    async with KeyPool(store, size=1) as pool:
+        broken = Broken(Hit(["k"], [1], [1.0]))
+        pool.submit("k", broken)
+        with pytest.raises(StoreError, match="bug in a call"):
+            await broken.future
+        good = HitCall(Hit(["k"], [1], [1.0]))
+        pool.submit("k", good)
+        assert (await good.future).allowed

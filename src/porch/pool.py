@@ -75,21 +75,24 @@ class Shard:
             batch = await receive()
             if not batch:
                 return
-            ops: list[StoreOp] = []
-            for call in batch:
-                call.prepare(self, ops)
-            if ops:
-                try:
+            try:
+                ops: list[StoreOp] = []
+                for call in batch:
+                    call.prepare(self, ops)
+                if ops:
                     await apply(ops)
-                except Exception as exc:  # the actor must outlive any failure
-                    error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
-                    if error is not exc:
-                        logger.exception("porch shard %d: unexpected store failure", self.index)
-                    for call in batch:
-                        call.fail(self, error)
-                    continue
+            except Exception as exc:  # the actor must outlive any failure
+                error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
+                if error is not exc:
+                    logger.exception("porch shard %d: unexpected failure", self.index)
+                for call in batch:
+                    call.fail(self, error)
+                continue
             for call in batch:
-                call.finish(self)
+                try:
+                    call.finish(self)
+                except Exception:  # a bug in one reply must not strand the others
+                    logger.exception("porch shard %d: a reply failed", self.index)
 
     async def close(self) -> None:
         closed = PoolClosedError("the key pool closed before this call was answered")
@@ -161,6 +164,10 @@ class KeyPool:
             if self._started:
                 return
             await self.store.open()
+            if any(s.mailbox.statistics().closed for s in self._shards):
+                # Started again after close(): fresh actors (and statistics).
+                capacity = self._shards[0].mailbox.statistics().capacity
+                self._shards = tuple(Shard(i, capacity, self.store) for i in range(self._size))
             for shard in self._shards:
                 shard.start()
             self._started = True
