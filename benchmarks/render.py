@@ -17,14 +17,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 IMG = ROOT / "docs" / "img"
 
-# The targets from the issue that asked for them, as (variant, baseline, minimum ratio).
-TARGETS = (
-    ("limiter", "bare", 0.80),
-    ("limiter-power", "bare", 0.60),
-    ("idem-replay", "bare-post", 0.90),
-    ("idem-first", "bare-post", 0.60),
-)
-
 
 def _ratio(r: dict[str, Any]) -> str:
     if r["variant"] == r["baseline"]:
@@ -69,15 +61,91 @@ def peer_lines(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def target_lines(report: dict[str, Any]) -> list[str]:
+def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
+    """Every target set for porch's speed, each checked against the measurements."""
     by = {r["variant"]: r for r in report["results"]}
-    out = []
-    for variant, baseline, goal in TARGETS:
-        if variant in by:
-            got = by[variant]["ratio_to_bare"]
-            verdict = "met" if got >= goal else "**missed**"
-            out.append(f"- {variant} ≥ {goal:.2f}× {baseline}: {got:.2f}× — {verdict}")
+    out: list[str] = []
+
+    def check(label: str, got: float | None, goal: float, *, at_most: bool = False) -> None:
+        if got is None:
+            return
+        met = got <= goal if at_most else got >= goal
+        out.append(f"- {label}: {got:.3f} — {'met' if met else '**missed**'}")
+
+    def ratio(a: str, b: str) -> float | None:
+        return by[a]["rps"] / by[b]["rps"] if a in by and b in by else None
+
+    def vs_bare(a: str) -> float | None:
+        return by[a]["ratio_to_bare"] if a in by else None
+
+    check("limiter ≥ 0.80× bare", vs_bare("limiter"), 0.80)
+    check("limiter ≥ 1.6× slowapi in-memory", ratio("limiter", "slowapi-memory"), 1.6)
+    check("limiter, durability=power ≥ 0.60× bare", vs_bare("limiter-power"), 0.60)
+    check(
+        "limiter, durability=power ≥ 4× slowapi with Redis",
+        ratio("limiter-power", "slowapi-redis"),
+        4.0,
+    )
+    check("idempotent replays ≥ 0.90× bare POST", vs_bare("idem-replay"), 0.90)
+    check("keyed first executions ≥ 0.60× bare POST", vs_bare("idem-first"), 0.60)
+    if "limiter" in by:
+        check(
+            "limiter's added p99 at 64 connections ≤ 2 ms (ms)",
+            by["limiter"]["added_p99_ms"],
+            2.0,
+            at_most=True,
+        )
+        check(
+            "limiter's store transactions per request at 64 connections ≤ 0.1",
+            by["limiter"]["txn_per_request"],
+            0.1,
+            at_most=True,
+        )
+    if curves is not None:
+        keys = curves["keys"]
+        check(
+            "throughput at 1,000,000 distinct keys within 20% of 1 key (ratio)",
+            keys[-1]["ratio_to_one_key"],
+            0.80,
+        )
+        samples = curves["churn"]["samples"]
+        half = samples[len(samples) // 2 :]
+        growth = max(x["db_mb"] for x in half) / max(samples[len(samples) // 2]["db_mb"], 1e-9)
+        check("store file under churn: growth over the second half (×)", growth, 1.2, at_most=True)
+        rss = max(x["rss_mb"] for x in half) / max(samples[len(samples) // 2]["rss_mb"], 1e-9)
+        check("RSS under churn: growth over the second half (×)", rss, 1.2, at_most=True)
     return out
+
+
+BOUNDS = """## What bounds the targets not met
+
+- **The headers.** The limiter must add five headers to every response
+  (`X-RateLimit-*`, `RateLimit-Policy`, `RateLimit`). The `bare-headers` row is
+  the bare app sending those same five headers itself, with nothing counted:
+  uvicorn's header handling alone takes that share of a hello-world response,
+  which leaves little room under a 0.80× target for the counting itself.
+- **One core for everything.** The server is pinned to one CPU: the event loop,
+  the SQLite writer thread and uvicorn share it, so the store's work (one
+  transaction per group of ~30 requests at 64 connections) is paid from the
+  same budget as the requests. At 1 and 4 connections there is almost nothing to
+  group, and each request waits for its own commit: the concurrency curve shows it.
+- **Distinct keys.** With one hot key a group commit rewrites one b-tree page;
+  with thousands of distinct clients it rewrites one page per client in the
+  group, and SQLite writes each page to the WAL as its own frame. Within a
+  window porch writes only the count (the expiry index stays out of the commit),
+  but new clients are inserts. That is the drop in the keys curve.
+- **Workers on one core.** With N worker processes each sees about 1/N of the
+  connections, so its group commits are N times smaller (more transactions per
+  request) and N loops and N writer threads share the one pinned CPU. Counting
+  stays exact across them (the gate proves it); the cost shows in the `-4w` rows
+  and varies more from round to round than anything else here.
+- **First executions** pay two transactions (the lookup under the key's lock,
+  then the stored response, which is committed before the response's last chunk
+  leaves) and a lock and unlock of the key's byte in the lock file.
+
+Not traded away for speed: every variant above runs with the same durability
+and exactness that the end-to-end gate proves.
+"""
 
 
 def charts(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
@@ -249,8 +317,9 @@ def main() -> None:
         "",
         "The targets:",
         "",
-        *target_lines(report),
+        *target_lines(report, curves),
         "",
+        BOUNDS,
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
         "",
         f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs.",
