@@ -337,3 +337,43 @@ def test_limit_default_name() -> None:
     assert Limit(10, 1).name == "10-per-1s"
     assert Limit(1000, 86400.0).name == "1000-per-86400s"
     assert json.dumps(Rule(Limit(1, 1), path="/api/").path) == '"/api"'
+
+
+async def test_an_unreadable_store_is_503_not_a_dead_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "porch.sqlite3"
+    bad.write_bytes(b"not a database at all" * 200)
+    pool = KeyPool(SQLiteStore(tmp_path))
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(5, 60)))
+
+    # Lifespan still completes: the server serves, and fails closed.
+    sent: list[str] = []
+
+    async def receive() -> Message:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: Message) -> None:
+        sent.append(message["type"])
+
+    async def lifespan_app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.complete"})
+
+    await RateLimitMiddleware(lifespan_app, pool=pool, rules=Rule(Limit(5, 60)))(
+        {"type": "lifespan"}, receive, send
+    )
+    assert sent == ["lifespan.startup.complete"]
+    assert "cannot open the store" in caplog.text
+    try:
+        async with client(app) as c:
+            first = await c.get("/")
+            assert first.status_code == 503
+            assert first.json()["cause"] == "store"
+            # The file is repaired: after the retry interval the store opens.
+            bad.unlink()
+            assert (await c.get("/")).status_code == 503  # within the interval: fail fast
+            await asyncio.sleep(1.05)
+            assert (await c.get("/")).status_code == 200
+    finally:
+        await pool.close()

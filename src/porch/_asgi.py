@@ -32,9 +32,9 @@ def lifespan_send(send: Send, pool: KeyPool) -> Send:
             try:
                 await pool.start()
             except (StoreError, OSError) as exc:
-                logger.error("porch: cannot start the key pool: %s", exc)
-                await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                return
+                # Serve anyway: protected requests answer 503 (fail closed) and the
+                # store is retried, instead of a server that will not start at all.
+                logger.error("porch: cannot open the store, answering 503 until it opens: %s", exc)
         elif kind == "lifespan.shutdown.complete":
             await pool.close()
         await send(message)

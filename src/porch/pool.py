@@ -24,6 +24,9 @@ __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
 
 logger = logging.getLogger("porch.pool")
 
+# After a store failed to open, calls fail fast for this long before it is retried.
+_REOPEN_AFTER = 1.0
+
 
 class Call:
     """A message to a shard: what it adds to the batch's transaction, and what it does after.
@@ -129,7 +132,7 @@ class PoolStatistics:
 class KeyPool:
     """N shard actors over one store. Start it on the event loop that will use it."""
 
-    __slots__ = ("_lock", "_shards", "_size", "_started", "store")
+    __slots__ = ("_failed", "_lock", "_shards", "_size", "_started", "store")
 
     def __init__(self, store: Store, *, size: int = 4, mailbox: int = 1024) -> None:
         if size < 1:
@@ -141,6 +144,7 @@ class KeyPool:
         self._shards = tuple(Shard(i, mailbox, store) for i in range(size))
         self._started = False
         self._lock: asyncio.Lock | None = None
+        self._failed: tuple[float, StoreError] | None = None
 
     @property
     def size(self) -> int:
@@ -163,7 +167,16 @@ class KeyPool:
         async with self._lock:
             if self._started:
                 return
-            await self.store.open()
+            loop = asyncio.get_running_loop()
+            if self._failed is not None and loop.time() - self._failed[0] < _REOPEN_AFTER:
+                # A broken store is retried at most once a second, not once per request.
+                raise self._failed[1]
+            try:
+                await self.store.open()
+            except StoreError as exc:
+                self._failed = (loop.time(), exc)
+                raise
+            self._failed = None
             if any(s.mailbox.statistics().closed for s in self._shards):
                 # Started again after close(): fresh actors (and statistics).
                 capacity = self._shards[0].mailbox.statistics().capacity
