@@ -13,5 +13,10 @@ def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert blocks, "the README has no Python example"
     monkeypatch.chdir(tmp_path)
     for block in blocks:
+        namespace: dict[str, object] = {}
         # The example leaves the routes to the reader.
-        exec(compile(block.replace("routes=[...]", "routes=[]"), "README.md", "exec"), {})
+        exec(compile(block.replace("routes=[...]", "routes=[]"), "README.md", "exec"), namespace)
+        app = namespace.get("app")
+        if app is not None:
+            # Starlette builds its middleware (and so validates it) on first use.
+            app.build_middleware_stack()  # type: ignore[attr-defined]
