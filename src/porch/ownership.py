@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .errors import PoolClosedError, StoreError
 from .locks import KeyLocks
@@ -103,9 +103,14 @@ class _InFlight:
                 waiter.future.set_result(_answer(stored, waiter.digest))
 
 
+def _state(shard: Shard, key: str) -> _InFlight | None:
+    # The shard keeps only this module's state in ``parked``.
+    return cast("_InFlight | None", shard.parked.get(key))
+
+
 def _drop(shard: Shard, key: str) -> _InFlight | None:
     """Forget a key's in-flight state and release its cross-process lock."""
-    state: _InFlight | None = shard.parked.pop(key, None)
+    state = cast("_InFlight | None", shard.parked.pop(key, None))
     if state is not None:
         state.release()
     return state
@@ -113,7 +118,7 @@ def _drop(shard: Shard, key: str) -> _InFlight | None:
 
 def _settle(shard: Shard, key: str, stored: StoredResponse | None) -> None:
     """After a lookup under the key's lock: answer everyone, or hand ownership to one."""
-    state: _InFlight = shard.parked[key]
+    state = cast(_InFlight, shard.parked[key])
     if stored is not None:
         _drop(shard, key)
         state.resolve(stored)
@@ -150,7 +155,7 @@ class Acquire(_LookingUp):
         self.digest = digest
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        state: _InFlight | None = shard.parked.get(self.key)
+        state = _state(shard, self.key)
         if state is not None:
             state.waiters.append(self)  # parked: answered when the owner reports
             return
@@ -192,7 +197,7 @@ class _Relook(_LookingUp):
         self.error = error  # None: the lock is ours now
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        state: _InFlight | None = shard.parked.get(self.key)
+        state = _state(shard, self.key)
         if state is None or self.error is not None:
             if state is not None:
                 _drop(shard, self.key)

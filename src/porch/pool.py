@@ -12,7 +12,7 @@ import asyncio
 import logging
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError, PoolClosedError, StoreError
 from .mailbox import Mailbox, MailboxStatistics
@@ -26,6 +26,14 @@ logger = logging.getLogger("porch.pool")
 
 # After a store failed to open, calls fail fast for this long before it is retried.
 _REOPEN_AFTER = 1.0
+
+
+class Parked(Protocol):
+    """Volatile state a shard keeps for a key between calls (e.g. an owner and its waiters)."""
+
+    def close(self, exc: BaseException) -> None:
+        """Fail whoever is parked here: the pool is closing."""
+        ...
 
 
 class Call:
@@ -63,7 +71,7 @@ class Shard:
         self.store = store
         # Volatile per-key state (idempotency owners and their parked waiters).
         # It is lost with the process, which is the point: a crash never wedges a key.
-        self.parked: dict[str, Any] = {}
+        self.parked: dict[str, Parked] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
