@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -373,13 +374,9 @@ def test_rule_validation() -> None:
         IdempotencyRule("/", methods=[])
 
 
-@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
-async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
-    # Two pools on one data directory behave like two worker processes: the
-    # store's key locks exclude owners across them, and the waiter in the other
-    # pool gets the stored response once the lock is free.
-    handler = Handler()
-    handler.latency = 0.3
+@contextlib.asynccontextmanager
+async def two_pools(tmp_path: Path, handler: Handler) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """Two pools on one store, each behind its own middleware: two workers, in one process."""
     pools = [KeyPool(SQLiteStore(tmp_path), size=2) for _ in range(2)]
     clients = [
         httpx.AsyncClient(
@@ -389,12 +386,7 @@ async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
         for p in pools
     ]
     try:
-        responses = await asyncio.gather(
-            *(clients[i % 2].post("/o", content=b"b", headers=keyed()) for i in range(6))
-        )
-        assert handler.calls == 1
-        assert {r.content for r in responses} == {b"call 1"}
-        assert {r.status_code for r in responses} == {201}
+        yield clients
     finally:
         for c in clients:
             await c.aclose()
@@ -403,19 +395,27 @@ async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
+    # Two pools on one data directory behave like two worker processes: the
+    # store's key locks exclude owners across them, and the waiter in the other
+    # pool gets the stored response once the lock is free.
+    handler = Handler()
+    handler.latency = 0.3
+    async with two_pools(tmp_path, handler) as clients:
+        responses = await asyncio.gather(
+            *(clients[i % 2].post("/o", content=b"b", headers=keyed()) for i in range(6))
+        )
+    assert handler.calls == 1
+    assert {r.content for r in responses} == {b"call 1"}
+    assert {r.status_code for r in responses} == {201}
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 async def test_a_failed_owner_in_one_pool_hands_over_to_the_other(tmp_path: Path) -> None:
     handler = Handler()
     handler.latency = 0.2
     handler.fail_first = 1
-    pools = [KeyPool(SQLiteStore(tmp_path), size=1) for _ in range(2)]
-    clients = [
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
-            base_url="http://t",
-        )
-        for p in pools
-    ]
-    try:
+    async with two_pools(tmp_path, handler) as clients:
         first = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
         await asyncio.sleep(0.05)
         second = await clients[1].post("/o", content=b"b", headers=keyed())
@@ -425,8 +425,3 @@ async def test_a_failed_owner_in_one_pool_hands_over_to_the_other(tmp_path: Path
         replay = await clients[0].post("/o", content=b"b", headers=keyed())
         assert replay.headers["idempotent-replayed"] == "true"
         assert replay.content == second.content
-    finally:
-        for c in clients:
-            await c.aclose()
-        for p in pools:
-            await p.close()

@@ -340,3 +340,24 @@ def launch_demos(root: Path) -> Iterator[DemoLauncher]:
     finally:
         for server in launcher.servers:
             server.cleanup()
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One complete response (status, lower-cased headers, body) from a keep-alive socket."""
+    data = b""
+    for _ in range(1000):  # bounded: responses here are a few hundred bytes
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+        head, sep, content = data.partition(b"\r\n\r\n")
+        if not sep:
+            continue
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {
+            name.strip().lower(): value.strip()
+            for name, value in (line.split(":", 1) for line in header_lines)
+        }
+        length = int(headers["content-length"])
+        if len(content) >= length:
+            return int(status_line.split()[1]), headers, content[:length]
+    pytest.fail(f"no complete response: {data!r}")

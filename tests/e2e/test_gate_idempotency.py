@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 from app_flaky import DATA_ENV, EXECUTIONS_FILE
-from demo_server import DemoLauncher, DemoServer, free_port, launch_demos
+from demo_server import DemoLauncher, DemoServer, free_port, launch_demos, read_response
 
 pytestmark = [pytest.mark.e2e]
 
@@ -535,23 +535,8 @@ def raw_post(port: int, path: str, body: bytes, key: str) -> tuple[int, bytes]:
     ).encode("ascii")
     with socket.create_connection(("127.0.0.1", port), timeout=CLIENT_TIMEOUT) as sock:
         sock.sendall(head + body)
-        data = b""
-        for _ in range(1000):  # bounded: one response of a few hundred bytes
-            chunk = sock.recv(65536)
-            assert chunk, f"connection closed mid-response: {data!r}"
-            data += chunk
-            header, sep, content = data.partition(b"\r\n\r\n")
-            if not sep:
-                continue
-            lines = header.split(b"\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in lines[1:]
-                if line.lower().startswith(b"content-length:")
-            )
-            if len(content) >= length:
-                return int(lines[0].split()[1]), content[:length]
-    pytest.fail(f"no complete response: {data!r}")
+        status, _, content = read_response(sock)
+        return status, content
 
 
 def test_owner_response_is_stored_before_it_leaves(demo: DemoLauncher) -> None:
