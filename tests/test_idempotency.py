@@ -14,6 +14,7 @@ from porch import (
     IdempotencyMiddleware,
     IdempotencyRule,
     KeyPool,
+    ManualClock,
     SQLiteStore,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
@@ -425,3 +426,22 @@ async def test_a_failed_owner_in_one_pool_hands_over_to_the_other(tmp_path: Path
         replay = await clients[0].post("/o", content=b"b", headers=keyed())
         assert replay.headers["idempotent-replayed"] == "true"
         assert replay.content == second.content
+
+
+async def test_stored_responses_expire_after_their_ttl(tmp_path: Path) -> None:
+    clock = ManualClock()
+    handler = Handler()
+    async with KeyPool(SQLiteStore(tmp_path, clock=clock)) as pool:
+        app = IdempotencyMiddleware(handler, pool=pool, ttl=60)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            await c.post("/o", content=b"b", headers=keyed())
+            clock.advance(59)
+            assert (await c.post("/o", content=b"b", headers=keyed())).headers[
+                "idempotent-replayed"
+            ] == "true"
+            clock.advance(1)
+            again = await c.post("/o", content=b"b", headers=keyed())
+    assert "idempotent-replayed" not in again.headers  # expired: the handler ran again
+    assert handler.calls == 2

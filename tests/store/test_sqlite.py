@@ -284,3 +284,33 @@ def test_many_processes_opening_a_new_file_all_succeed(tmp_path: Path) -> None:
     errors = [p.communicate(timeout=30)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 6, errors
     assert rows(tmp_path / "porch.sqlite3")["k"][0] == 6
+
+
+async def test_a_version_1_file_is_migrated_and_keeps_its_counters(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # A file written by the first release (counters only): upgrading adds the
+    # responses table and keeps every counter.
+    from porch.store import sqlite_schema
+
+    path = tmp_path / "porch.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statement in sqlite_schema._MIGRATIONS[0].split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute(
+        "INSERT INTO counters VALUES ('k', 3, ?, ?, ?)",
+        (clock.monotonic(), clock.monotonic() + 60, clock.wall()),
+    )
+    conn.execute("INSERT INTO porch_meta VALUES ('boot_id', ?)", (clock.boot_id(),))
+    conn.close()
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    try:
+        assert not (await hit(s)).allowed  # the stored count (3 of 3) survived
+    finally:
+        await s.close()
+    with sqlite3.connect(path) as check:
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert check.execute("SELECT count(*) FROM responses").fetchone()[0] == 0
