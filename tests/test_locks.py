@@ -94,3 +94,20 @@ def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
 def test_offsets_are_stable_and_spread() -> None:
     assert KeyLocks.offset("a") == KeyLocks.offset("a")
     assert len({KeyLocks.offset(f"k{i}") for i in range(1000)}) == 1000
+
+
+@pytest.mark.anyio
+async def test_closing_the_store_drops_its_key_locks(tmp_path: Path) -> None:
+    from porch.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    assert store.locks is not None
+    assert store.locks.try_acquire("k")
+    other = KeyLocks(store.locks.path)
+    try:
+        assert not other.try_acquire("k")
+        await store.close()
+        assert other.try_acquire("k")
+    finally:
+        other.close()

@@ -109,6 +109,8 @@ class SQLiteStore:
         self._thread = None
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
+        if self.locks is not None:
+            self.locks.close()  # drops any key lock this process still holds
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)
