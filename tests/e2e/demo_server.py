@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -361,3 +362,32 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
         if len(content) >= length:
             return int(status_line.split()[1]), headers, content[:length]
     pytest.fail(f"no complete response: {data!r}")
+
+
+def source_port(response: httpx.Response) -> int:
+    """The client-side port of the TCP connection a response arrived on."""
+    stream: Any = response.extensions["network_stream"]
+    addr = stream.get_extra_info("client_addr")
+    assert addr is not None, "the connection's local address is unknown"
+    port: int = addr[1]
+    return port
+
+
+def order_rows(server: DemoServer) -> list[tuple[int, str, int]]:
+    """Every row of the demo's ``orders`` table: the side effects that really happened."""
+    if not server.orders_path.exists():
+        return []
+    conn = sqlite3.connect(f"file:{server.orders_path}?mode=ro", uri=True, timeout=10.0)
+    try:
+        rows = conn.execute("SELECT id, item, qty FROM orders ORDER BY id").fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise
+    finally:
+        conn.close()
+    return [(int(i), str(item), int(qty)) for i, item, qty in rows]
+
+
+def orders_count(server: DemoServer) -> int:
+    return len(order_rows(server))

@@ -31,7 +31,15 @@ from typing import Any
 import httpx
 import pytest
 from app_flaky import DATA_ENV, EXECUTIONS_FILE
-from demo_server import DemoLauncher, DemoServer, free_port, launch_demos, read_response
+from demo_server import (
+    DemoLauncher,
+    free_port,
+    launch_demos,
+    order_rows,
+    orders_count,
+    read_response,
+    source_port,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -82,18 +90,6 @@ def _query(path: Path, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, 
         raise
     finally:
         conn.close()
-
-
-def order_rows(server: DemoServer) -> list[tuple[int, str, int]]:
-    """Every row of the demo's ``orders`` table: the side effects that really happened."""
-    return [
-        (int(i), str(item), int(qty))
-        for i, item, qty in _query(server.orders_path, "SELECT id, item, qty FROM orders")
-    ]
-
-
-def orders_count(server: DemoServer) -> int:
-    return len(order_rows(server))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +144,6 @@ def timed_post(
     start = time.monotonic()
     response = post(base_url, path, body, headers)
     return response, time.monotonic() - start
-
-
-def source_port(response: httpx.Response) -> int:
-    """The client-side port of the TCP connection a response arrived on."""
-    stream: Any = response.extensions["network_stream"]
-    addr = stream.get_extra_info("client_addr")
-    assert addr is not None, "the connection's local address is unknown"
-    port: int = addr[1]
-    return port
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,17 +12,15 @@ import contextlib
 import math
 import random
 import re
-import sqlite3
 import ssl
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from demo_server import DemoLauncher, DemoServer, launch_demos
+from demo_server import DemoLauncher, DemoServer, launch_demos, orders_count, source_port
 
 pytestmark = [pytest.mark.e2e]
 
@@ -67,15 +65,6 @@ def fresh_get(
         port = source_port(response)  # before the body is read: the server then closes
         response.read()
     return response, port
-
-
-def source_port(response: httpx.Response) -> int:
-    """The client-side port of the TCP connection a response arrived on."""
-    stream: Any = response.extensions["network_stream"]
-    addr = stream.get_extra_info("client_addr")
-    assert addr is not None, "the connection's local address is unknown"
-    port: int = addr[1]
-    return port
 
 
 async def open_connections(
@@ -180,17 +169,6 @@ def check_refusal(response: httpx.Response, *, limit: int, window: int, t: int) 
     assert isinstance(violated["reset_after"], int)
     assert 1 <= violated["reset_after"] <= retry_after
     return retry_after
-
-
-def orders_count(server: DemoServer) -> int:
-    if not server.orders_path.exists():
-        return 0
-    conn = sqlite3.connect(f"file:{server.orders_path}?mode=ro", uri=True, timeout=10.0)
-    try:
-        (count,) = conn.execute("SELECT COUNT(*) FROM orders").fetchone()
-    finally:
-        conn.close()
-    return int(count)
 
 
 def random_ips(n: int, seed: int) -> list[str]:

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import ssl
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from demo_server import DemoLauncher, DemoServer, launch_demos, read_response
+from demo_server import DemoLauncher, DemoServer, launch_demos, order_rows, read_response
 
 pytestmark = [pytest.mark.e2e]
 
@@ -74,22 +73,6 @@ def worker_of(response: httpx.Response) -> int:
 def spread(responses: Sequence[httpx.Response]) -> Counter[int]:
     """How many of ``responses`` each worker pid served."""
     return Counter(worker_of(r) for r in responses)
-
-
-def order_rows(server: DemoServer) -> list[tuple[int, str, int]]:
-    """Every row of the demo's ``orders`` table: the side effects that really happened."""
-    if not server.orders_path.exists():
-        return []
-    conn = sqlite3.connect(f"file:{server.orders_path}?mode=ro", uri=True, timeout=10.0)
-    try:
-        rows = conn.execute("SELECT id, item, qty FROM orders ORDER BY id").fetchall()
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            return []
-        raise
-    finally:
-        conn.close()
-    return [(int(i), str(item), int(qty)) for i, item, qty in rows]
 
 
 # -- /proc: the supervisor's workers, their CPU time, the holder of a connection --------------
