@@ -9,14 +9,22 @@ ownership dies with its process and no lease has to expire. Within a process
 the key pool already serializes each key, so the locks only arbitrate between
 processes. A waiter blocks in ``F_OFD_SETLKW`` in a thread of its own: no
 polling, no CPU.
+
+The non-blocking calls (take without waiting, release) go to libc through
+``ctypes.PyDLL``, which keeps the GIL: ``fcntl.fcntl`` releases it around
+every call, and on a busy loop each release handed the GIL to the store's
+writer thread, twice per keyed request, which cost far more than the
+microsecond syscall itself and split group commits into small transactions.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["KeyLocks", "ofd_locks_available"]
@@ -39,15 +47,28 @@ def ofd_locks_available() -> bool:
     return _SETLK is not None
 
 
+def _fcntl_keeping_gil() -> Callable[[int, int, bytes], int] | None:
+    """libc's ``fcntl`` called with the GIL held, or None where ctypes cannot find it."""
+    try:
+        function = ctypes.PyDLL(None, use_errno=True).fcntl
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p)
+    function.restype = ctypes.c_int
+    return function
+
+
 class KeyLocks:
     """One lock file, opened once per process; a key's lock is one byte of it."""
 
-    __slots__ = ("_fd", "_pid", "path")
+    __slots__ = ("_fd", "_nowait", "_pid", "path")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd = -1
         self._pid = 0
+        # Only for commands that never sleep: a blocking wait must release the GIL.
+        self._nowait = _fcntl_keeping_gil() if _SETLK is not None else None
 
     @staticmethod
     def offset(key: str) -> int:
@@ -67,7 +88,12 @@ class KeyLocks:
         if command is None:
             raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
         flock = struct.pack(_FLOCK, kind, os.SEEK_SET, self.offset(key), 1, 0)
-        fcntl.fcntl(self._file(), command, flock)
+        nowait = self._nowait
+        if nowait is None or command != _SETLK:
+            fcntl.fcntl(self._file(), command, flock)
+        elif nowait(self._file(), command, flock) == -1:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
 
     def try_acquire(self, key: str) -> bool:
         """Take the key's lock without waiting; False if another process holds it."""
