@@ -183,20 +183,14 @@ class IdempotencyMiddleware:
         self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
     ) -> None:
         pool = self.pool
-        loop = asyncio.get_running_loop()
         try:
             if not pool.started:
                 await pool.start()
-            future: asyncio.Future[Outcome] = loop.create_future()
-            pool.submit(key, Acquire(future, key, digest))
+            future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
             # Parked behind a running owner costs a parked task, no polling. The
-            # deadline settles the future itself (cheaper than wait_for); the
-            # shard skips a waiter whose future is already done.
-            deadline = loop.call_later(self.wait_timeout, _expire, future)
-            try:
-                outcome = await future
-            finally:
-                deadline.cancel()
+            # shard arms the wait_timeout deadline only if the call has to wait.
+            pool.submit(key, Acquire(future, key, digest, self.wait_timeout))
+            outcome = await future
         except TimeoutError:
             logger.info("porch: a duplicate waited %.1f s for its owner; 409", self.wait_timeout)
             await problem(
@@ -253,11 +247,6 @@ class IdempotencyMiddleware:
 
 class _BodyTooLarge(Exception):
     """Raised when a keyed request body exceeds ``max_body``."""
-
-
-def _expire(future: asyncio.Future[Outcome]) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

@@ -146,36 +146,51 @@ class _LookingUp(Call):
 
 
 class Acquire(_LookingUp):
-    """Ask for a key: stored response, mismatch, ownership, or park until the owner reports."""
+    """Ask for a key: stored response, mismatch, ownership, or park until the owner reports.
 
-    __slots__ = ("digest",)
+    A call that has to wait (behind an owner, or for another process's lock)
+    fails with TimeoutError after ``timeout`` seconds.
+    """
 
-    def __init__(self, future: asyncio.Future[Outcome], key: str, digest: bytes) -> None:
+    __slots__ = ("digest", "timeout")
+
+    def __init__(
+        self, future: asyncio.Future[Outcome], key: str, digest: bytes, timeout: float
+    ) -> None:
         super().__init__(future, key)
         self.digest = digest
+        self.timeout = timeout
+
+    def _park(self, state: _InFlight) -> None:
+        state.waiters.append(self)  # answered when the owner reports
+        # Only a waiting call pays for a timer: the common first caller never waits.
+        deadline = self.future.get_loop().call_later(self.timeout, _expire, self.future)
+        self.future.add_done_callback(lambda _: deadline.cancel())
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         state = _state(shard, self.key)
         if state is not None:
-            state.waiters.append(self)  # parked: answered when the owner reports
+            self._park(state)
             return
         # The first caller is the first waiter: the lookup's outcome answers it
         # like everyone parked behind it meanwhile (see _settle).
         locks = shard.store.locks
         state = _InFlight(self.key, locks)
-        state.waiters.append(self)
         shard.parked[self.key] = state
         if locks is not None:
             try:
                 state.locked = locks.try_acquire(self.key)
             except OSError as exc:
+                state.waiters.append(self)
                 _drop(shard, self.key)
                 state.close(StoreError(f"cannot lock the key: {exc}"))
                 return
             if not state.locked:
                 # Another process owns the key: wait for its lock, then look again.
+                self._park(state)
                 _wait_for_lock(shard, self.key, locks)
                 return
+        state.waiters.append(self)
         self._look(ops)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
@@ -219,6 +234,11 @@ class _Relook(_LookingUp):
             state.close(exc)
         elif self.error is None and shard is not None and shard.store.locks is not None:
             shard.store.locks.release(self.key)
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _wait_for_lock(shard: Shard, key: str, locks: KeyLocks) -> None:
