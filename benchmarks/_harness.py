@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -192,9 +193,15 @@ def _field(pattern: str, text: str) -> str:
 def load(
     url: str, path: str, lua: str, *, connections: int, duration: int, tmp: Path
 ) -> dict[str, float]:
-    """Load ``url + path`` with wrk (or the Python fallback) and return rps and latencies."""
+    """Load ``url + path`` with wrk (or the Python fallback) and return rps and latencies.
+
+    ``@NONCE@`` and ``@SEED@`` in the script are replaced afresh on every call, so
+    a measured run never repeats the keys (or clients) of the warm-up before it.
+    """
+    nonce = secrets.token_hex(8)
+    lua = lua.replace("@NONCE@", nonce).replace("@SEED@", str(secrets.randbelow(1 << 31)))
     if shutil.which("wrk") is None:
-        return asyncio.run(_py_load(url, path, lua, connections, duration))
+        return asyncio.run(_py_load(url, path, lua, connections, duration, nonce))
     script = tmp / f"load-{abs(hash(lua))}.lua"
     script.write_text(lua)
     out = subprocess.run(
@@ -226,7 +233,7 @@ def load(
 
 
 async def _py_load(
-    url: str, path: str, lua: str, connections: int, duration: int
+    url: str, path: str, lua: str, connections: int, duration: int, nonce: str
 ) -> dict[str, float]:
     """A plain asyncio HTTP/1.1 keep-alive load generator, used only when wrk is missing.
 
@@ -235,6 +242,7 @@ async def _py_load(
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
     counter = 0
+    base = secrets.randbelow(1 << 24)  # clients of one run are not the warm-up's
     post = 'wrk.method = "POST"' in lua or '"POST"' in lua
     end = time.monotonic() + duration
 
@@ -243,9 +251,11 @@ async def _py_load(
         counter += 1
         extra = ""
         if "Idempotency-Key" in lua:
-            extra = f"Idempotency-Key: {'the-one-key' if 'the-one-key' in lua else counter}\r\n"
+            key = "the-one-key" if "the-one-key" in lua else f"k-{nonce}-{counter}"
+            extra = f"Idempotency-Key: {key}\r\n"
         if "X-Forwarded-For" in lua:
-            a, b, c = counter >> 16 & 255, counter >> 8 & 255, counter & 255
+            n = counter + base
+            a, b, c = n >> 16 & 255, n >> 8 & 255, n & 255
             extra += f"X-Forwarded-For: 10.{a}.{b}.{c}\r\n"
         if not post:
             return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}\r\n".encode()

@@ -42,7 +42,7 @@ wrk.headers["Content-Type"] = "application/json"
 """
 POST_NEW_KEY = f"""
 local n = 0
-local id = tostring(math.random(1, 1e9))
+local id = "@NONCE@"  -- fresh per run: the warm-up's keys are never replayed
 request = function()
   n = n + 1
   return wrk.format("POST", "/orders", {{["Content-Type"] = "application/json",

@@ -30,6 +30,7 @@ KEYS = (1, 100, 10_000, 1_000_000)
 def keys_lua(k: int) -> str:
     # A forwarded client per request, drawn from k distinct addresses (10.x.y.z).
     return f"""
+math.randomseed(@SEED@)
 local K = {k}
 request = function()
   local n = math.random(0, K - 1)
@@ -41,6 +42,7 @@ end
 
 
 CHURN_LUA = """
+math.randomseed(@SEED@)
 local n = math.random(0, 1000000)
 request = function()
   n = n + 1
