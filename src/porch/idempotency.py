@@ -240,8 +240,9 @@ class IdempotencyMiddleware:
             self.pool.submit(key, Complete(done, key, response, self.ttl), must_deliver=True)
         except PoolClosedError as exc:
             done.set_exception(exc)
-        # Reports of unstored responses are not awaited; never leave an error unretrieved.
-        done.add_done_callback(_retrieve)
+        if response is None:
+            # Reports of unstored responses are not awaited; never leave an error unretrieved.
+            done.add_done_callback(_retrieve)
         return done
 
 

@@ -67,7 +67,7 @@ class _HitCall(Call):
     __slots__ = ("hit",)
 
     def __init__(self, future: asyncio.Future[Hit], hit: Hit) -> None:
-        super().__init__(future)
+        self.future = future  # Call.__init__, inlined: this runs once per limited request
         self.hit = hit
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
@@ -229,7 +229,19 @@ def _decide(
     resets = hit.resets
     n = len(amounts)
     # ceil: never tell a client a window ends earlier than it does.
-    if n == 1:  # the common rule: one limit, no choosing
+    if n == 1 and hit.allowed:  # the common case: one limit, no choosing, no refusal
+        left = amounts[0] - counts[0]
+        return [
+            (b"x-ratelimit-limit", compiled.limit_bytes[0]),
+            (b"x-ratelimit-remaining", b"%d" % left),
+            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[0])),
+            (b"ratelimit-policy", compiled.policy_header),
+            (
+                b"ratelimit",
+                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(resets[0]) or 1),
+            ),
+        ], None
+    if n == 1:
         i = 0
         remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
         t = [math.ceil(resets[0]) or 1]
