@@ -19,7 +19,6 @@ microsecond syscall itself and split group commits into small transactions.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import os
@@ -50,8 +49,10 @@ def ofd_locks_available() -> bool:
 def _fcntl_keeping_gil() -> Callable[[int, int, bytes], int] | None:
     """libc's ``fcntl`` called with the GIL held, or None where ctypes cannot find it."""
     try:
+        import ctypes
+
         function = ctypes.PyDLL(None, use_errno=True).fcntl
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):  # no ctypes, or no fcntl symbol
         return None
     function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p)
     function.restype = ctypes.c_int
@@ -92,6 +93,8 @@ class KeyLocks:
         if nowait is None or command != _SETLK:
             fcntl.fcntl(self._file(), command, flock)
         elif nowait(self._file(), command, flock) == -1:
+            import ctypes  # imported already: _nowait came from it
+
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
 
