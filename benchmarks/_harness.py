@@ -190,6 +190,17 @@ def _field(pattern: str, text: str) -> str:
     return match.group(1)
 
 
+def fresh_script(lua: str, nonce: str) -> str:
+    """The Lua script with this run's nonce and random seed filled in."""
+    return lua.replace("@NONCE@", nonce).replace("@SEED@", str(secrets.randbelow(1 << 31)))
+
+
+def wrk_failed(stderr: str) -> None:
+    """wrk reports a broken Lua script on stderr and then sends plain requests: refuse that."""
+    if stderr.strip():
+        raise RuntimeError(f"wrk: {stderr.strip()}")
+
+
 def load(
     url: str, path: str, lua: str, *, connections: int, duration: int, tmp: Path
 ) -> dict[str, float]:
@@ -199,12 +210,12 @@ def load(
     a measured run never repeats the keys (or clients) of the warm-up before it.
     """
     nonce = secrets.token_hex(8)
-    lua = lua.replace("@NONCE@", nonce).replace("@SEED@", str(secrets.randbelow(1 << 31)))
+    lua = fresh_script(lua, nonce)
     if shutil.which("wrk") is None:
         return asyncio.run(_py_load(url, path, lua, connections, duration, nonce))
     script = tmp / f"load-{abs(hash(lua))}.lua"
     script.write_text(lua)
-    out = subprocess.run(
+    run = subprocess.run(
         [
             *pin(1),
             "wrk",
@@ -219,7 +230,9 @@ def load(
         capture_output=True,
         text=True,
         check=True,
-    ).stdout
+    )
+    wrk_failed(run.stderr)
+    out = run.stdout
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
     return {

@@ -21,7 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, Server, load, load_generator, machine, pin, versions
+from _harness import (
+    ROOT,
+    Server,
+    fresh_script,
+    load,
+    load_generator,
+    machine,
+    pin,
+    versions,
+    wrk_failed,
+)
 
 CONCURRENCY = (1, 4, 16, 64, 256)
 KEYS = (1, 100, 10_000, 1_000_000)
@@ -120,7 +130,7 @@ def churn(seconds: int, window: float, tmp: Path) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
     server = Server("limiter", data, env={"BENCH_TRUST_HOPS": "1", "BENCH_WINDOW": str(window)})
     script = tmp / "churn.lua"
-    script.write_text(CHURN_LUA)
+    script.write_text(fresh_script(CHURN_LUA, ""))
     samples: list[dict[str, Any]] = []
     try:
         wrk = (
@@ -136,6 +146,7 @@ def churn(seconds: int, window: float, tmp: Path) -> dict[str, Any]:
                     server.url + "/",
                 ],
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
             )
             if shutil.which("wrk")
@@ -169,9 +180,12 @@ def churn(seconds: int, window: float, tmp: Path) -> dict[str, Any]:
                 flush=True,
             )
         if wrk is not None:
-            wrk.wait()
+            _, stderr = wrk.communicate()
+            wrk_failed(stderr)
     finally:
         server.stop()
+    if max(x["rows"] for x in samples) < 100:
+        raise RuntimeError("the churn run did not reach distinct clients: is the script broken?")
     return {"window_s": window, "seconds": seconds, "samples": samples}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the benchmarks and redraw their tables and charts:
-#   ./scripts/bench.sh            # bench.py (peers side by side), curves.py, render.py
+#   ./scripts/bench.sh            # bench.py (peers side by side), curves.py, cpu.py, render.py
 #   ./scripts/bench.sh --rounds 5 # options go to bench.py
 source "$(dirname "$0")/_env.sh"
 python -m pip install --quiet --disable-pip-version-check -e ".[test,bench]" >&2
@@ -14,4 +14,5 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
 fi
 python benchmarks/bench.py "$@"
 python benchmarks/curves.py
+python benchmarks/cpu.py
 python benchmarks/render.py
