@@ -445,3 +445,37 @@ async def test_stored_responses_expire_after_their_ttl(tmp_path: Path) -> None:
             again = await c.post("/o", content=b"b", headers=keyed())
     assert "idempotent-replayed" not in again.headers  # expired: the handler ran again
     assert handler.calls == 2
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_waiting_for_another_pools_lock_ends_at_the_deadline(tmp_path: Path) -> None:
+    # The second pool's caller waits for the first pool's key lock (another
+    # process, in production): its wait_timeout deadline holds there too.
+    handler = Handler()
+    handler.latency = 0.6
+    pools = [KeyPool(SQLiteStore(tmp_path), size=2) for _ in range(2)]
+    apps = [
+        IdempotencyMiddleware(handler, pool=pools[0]),
+        IdempotencyMiddleware(handler, pool=pools[1], wait_timeout=0.1),
+    ]
+    clients = [
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        for app in apps
+    ]
+    try:
+        owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.1)
+        started = asyncio.get_running_loop().time()
+        waiter = await clients[1].post("/o", content=b"b", headers=keyed())
+        waited = asyncio.get_running_loop().time() - started
+        assert waiter.status_code == 409
+        assert waited < 0.4  # the deadline, not the owner's 0.6 s
+        assert (await owner).status_code == 201
+        replay = await clients[1].post("/o", content=b"b", headers=keyed())
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert handler.calls == 1
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
