@@ -9,6 +9,7 @@ proxy hops (for runs that set a different forwarded client per request), and
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ def create() -> Starlette:
             totals["transactions"] += s.store.transactions
             totals["operations"] += s.store.operations
             totals["calls"] += s.calls
+        # Cyclic-GC passes so far, youngest generation first (see benchmarks/cpu.py).
+        totals["gc_collections"] = [g["collections"] for g in gc.get_stats()]
         totals["rss_bytes"] = _rss_bytes()
         totals["db_bytes"] = _db_bytes(data)
         return JSONResponse(totals)

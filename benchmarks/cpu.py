@@ -6,7 +6,10 @@ For each case a real uvicorn server (pinned to CPU 0) is loaded by wrk (CPU 1)
 at 64 connections; the kernel's per-thread CPU counters (/proc/<pid>/task)
 are read before and after, so the event loop's thread and the SQLite writer
 thread are reported apart, in microseconds of CPU per request. With the server
-on one core, their sum is what sets the throughput. Writes benchmarks/cpu.json.
+on one core, their sum is what sets the throughput. It also counts the
+collections of CPython's cyclic garbage collector per 1000 requests (per
+generation), which a request that waits across loop iterations brings on.
+Writes benchmarks/cpu.json.
 """
 
 from __future__ import annotations
@@ -58,9 +61,11 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
     try:
         load(server.url, path, lua, connections=64, duration=1, tmp=tmp)
         pid = server.pids()[0]
+        gc_before = server.stats()["gc_collections"]
         before = thread_cpu(pid)
         result = load(server.url, path, lua, connections=64, duration=duration, tmp=tmp)
         after = thread_cpu(pid)
+        gc_after = server.stats()["gc_collections"]
     finally:
         server.stop()
         shutil.rmtree(data, ignore_errors=True)
@@ -79,7 +84,13 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
             }
         )
     total = sum(t["user_us"] + t["system_us"] for t in threads)
-    return {"rps": round(result["rps"], 1), "cpu_us": round(total, 1), "threads": threads}
+    gc_per_1000 = [round((b - a) * 1000 / n, 2) for a, b in zip(gc_before, gc_after, strict=True)]
+    return {
+        "rps": round(result["rps"], 1),
+        "cpu_us": round(total, 1),
+        "threads": threads,
+        "gc_per_1000_requests": gc_per_1000,
+    }
 
 
 def main() -> int:
