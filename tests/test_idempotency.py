@@ -314,15 +314,18 @@ async def test_stored_if_and_only_if_the_app_completes_its_response(
         assert dict(second[0]["headers"])[b"idempotent-replayed"] == b"true"
 
 
+class SlowSaveStore(SQLiteStore):
+    """Holds every transaction that stores a response until ``gate`` is set."""
+
+    gate: asyncio.Event
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        if any(isinstance(op, Save) for op in ops):
+            await self.gate.wait()
+        await super().apply(ops)
+
+
 async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
-    class SlowSaveStore(SQLiteStore):
-        gate: asyncio.Event
-
-        async def apply(self, ops: Sequence[StoreOp]) -> None:
-            if any(isinstance(op, Save) for op in ops):
-                await self.gate.wait()
-            await super().apply(ops)
-
     store = SlowSaveStore(tmp_path)
     store.gate = asyncio.Event()
     handler = Handler()
@@ -346,10 +349,48 @@ async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
         task = asyncio.create_task(mw(scope, receive, send))
         await asyncio.sleep(0.05)
         # Start and the first chunk are out; the final chunk waits for the commit.
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
         assert [m.get("more_body", False) for m in sent[1:]] == [True]
         store.gate.set()
         await task
         assert [m.get("more_body", False) for m in sent[1:]] == [True, False]
+
+
+async def test_a_one_chunk_response_leaves_whole_after_the_commit(tmp_path: Path) -> None:
+    # The head is held with the body: nothing of the response leaves before its
+    # stored copy is committed, and then head and body leave together.
+    store = SlowSaveStore(tmp_path)
+    store.gate = asyncio.Event()
+
+    async def one_chunk(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"created"})
+
+    async with KeyPool(store, size=1) as pool:
+        mw = IdempotencyMiddleware(one_chunk, pool=pool)
+        sent: list[Message] = []
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": b"b", "more_body": False}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        scope: Scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/o",
+            "query_string": b"",
+            "headers": [(b"idempotency-key", b"k")],
+        }
+        task = asyncio.create_task(mw(scope, receive, send))
+        await asyncio.sleep(0.05)
+        assert sent == []
+        store.gate.set()
+        await task
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert sent[1]["body"] == b"created"
 
 
 @pytest.mark.parametrize(

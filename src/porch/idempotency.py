@@ -293,6 +293,7 @@ class _Capture:
         "reported",
         "send",
         "size",
+        "start",
         "status",
     )
 
@@ -304,6 +305,7 @@ class _Capture:
         self.key = key
         self.digest = digest
         self.status = 0
+        self.start: Message | None = None
         self.headers: tuple[tuple[bytes, bytes], ...] = ()
         self.chunks: list[bytes] = []
         self.size = 0
@@ -323,7 +325,12 @@ class _Capture:
                 for k, v in message.get("headers", ())
                 if k.lower() in REPLAYED_HEADERS
             )
-        elif kind == "http.response.body" and not self.reported:
+            # Held until the first body chunk: a one-chunk response (the usual
+            # kind) then leaves as head and body together, after its commit,
+            # not as a head now and a body a commit later.
+            self.start = message
+            return
+        if kind == "http.response.body" and not self.reported:
             chunk: bytes = message.get("body", b"")
             if not self.oversized:
                 self.size += len(chunk)
@@ -334,6 +341,9 @@ class _Capture:
                     self.chunks.append(chunk)
             if not message.get("more_body", False):
                 await self._complete()
+        if self.start is not None:
+            start, self.start = self.start, None
+            await self.send(start)
         await self.send(message)
 
     async def _complete(self) -> None:
@@ -350,6 +360,6 @@ class _Capture:
         try:
             await self.report(stored)
         except (StoreError, PoolClosedError) as exc:
-            # The handler's work is done and its headers are out: deliver the
-            # response, but say loudly that a retry will not be able to replay it.
+            # The handler's work is done: deliver the response, but say
+            # loudly that a retry will not be able to replay it.
             logger.error("porch: could not store the response for replay: %s", exc)
