@@ -139,7 +139,8 @@ measured split between the event loop and the SQLite writer thread.
   with thousands of distinct clients it rewrites one page per client in the
   group, and SQLite writes each page to the WAL as its own frame. Within a
   window porch writes only the count (the expiry index stays out of the commit),
-  but new clients are inserts. That is the drop in the keys curve.
+  but new clients are inserts, and every checkpoint copies those scattered
+  pages back into the database file. That is the drop in the keys curve.
 - **Workers on one core.** With N worker processes each sees about 1/N of the
   connections, so its group commits are N times smaller (more transactions per
   request) and N loops and N writer threads share the one pinned CPU. Counting
