@@ -91,6 +91,17 @@ def keyed(key: str = "k1", **extra: str) -> dict[str, str]:
     return {"idempotency-key": key, **extra}
 
 
+def keyed_scope() -> Scope:
+    """The scope of a keyed POST, for tests that drive the middleware without a client."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/o",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", b"k")],
+    }
+
+
 async def test_replay_is_byte_identical_with_allowed_headers_only(
     make: Make, handler: Handler
 ) -> None:
@@ -283,13 +294,7 @@ async def test_stored_if_and_only_if_the_app_completes_its_response(
         await send({"type": "http.response.body", "body": b"done", "more_body": not completes})
 
     mw = IdempotencyMiddleware(app, pool=pool)
-    scope: Scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/o",
-        "query_string": b"",
-        "headers": [(b"idempotency-key", b"k")],
-    }
+    scope = keyed_scope()
 
     async def run() -> list[Message]:
         inbox: list[Message] = [
@@ -325,28 +330,25 @@ class SlowSaveStore(SQLiteStore):
         await super().apply(ops)
 
 
+def keyed_post(app: ASGIApp) -> tuple[asyncio.Future[None], list[Message]]:
+    """Start one keyed POST straight into ``app``; the task, and every message it sends."""
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"b", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    return asyncio.ensure_future(app(keyed_scope(), receive, send)), sent
+
+
 async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
     store = SlowSaveStore(tmp_path)
     store.gate = asyncio.Event()
     handler = Handler()
     async with KeyPool(store, size=1) as pool:
-        mw = IdempotencyMiddleware(handler, pool=pool)
-        sent: list[Message] = []
-
-        async def receive() -> Message:
-            return {"type": "http.request", "body": b"b", "more_body": False}
-
-        async def send(message: Message) -> None:
-            sent.append(message)
-
-        scope: Scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/o",
-            "query_string": b"",
-            "headers": [(b"idempotency-key", b"k")],
-        }
-        task = asyncio.create_task(mw(scope, receive, send))
+        task, sent = keyed_post(IdempotencyMiddleware(handler, pool=pool))
         await asyncio.sleep(0.05)
         # Start and the first chunk are out; the final chunk waits for the commit.
         assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
@@ -368,23 +370,7 @@ async def test_a_one_chunk_response_leaves_whole_after_the_commit(tmp_path: Path
         await send({"type": "http.response.body", "body": b"created"})
 
     async with KeyPool(store, size=1) as pool:
-        mw = IdempotencyMiddleware(one_chunk, pool=pool)
-        sent: list[Message] = []
-
-        async def receive() -> Message:
-            return {"type": "http.request", "body": b"b", "more_body": False}
-
-        async def send(message: Message) -> None:
-            sent.append(message)
-
-        scope: Scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/o",
-            "query_string": b"",
-            "headers": [(b"idempotency-key", b"k")],
-        }
-        task = asyncio.create_task(mw(scope, receive, send))
+        task, sent = keyed_post(IdempotencyMiddleware(one_chunk, pool=pool))
         await asyncio.sleep(0.05)
         assert sent == []
         store.gate.set()
