@@ -190,6 +190,21 @@ def _field(pattern: str, text: str) -> str:
     return match.group(1)
 
 
+def connection_split(port: int) -> list[int] | None:
+    """Established connections to ``port`` per server process, most first (None without ss)."""
+    if shutil.which("ss") is None:
+        return None
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    per_pid: dict[str, int] = {}
+    for pid in re.findall(r"pid=(\d+)", out):
+        per_pid[pid] = per_pid.get(pid, 0) + 1
+    return sorted(per_pid.values(), reverse=True)
+
+
 def fresh_script(lua: str, nonce: str) -> str:
     """The Lua script with this run's nonce and random seed filled in."""
     return lua.replace("@NONCE@", nonce).replace("@SEED@", str(secrets.randbelow(1 << 31)))

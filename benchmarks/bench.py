@@ -19,6 +19,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from _harness import (
     ROOT,
     Redis,
     Server,
+    connection_split,
     load,
     load_generator,
     machine,
@@ -128,7 +130,7 @@ CASES = (
 
 def measure(
     case: Case, args: argparse.Namespace, tmp: Path, redis: dict[str, Redis]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=tmp))
     env = dict(case.env)
     if case.redis:
@@ -137,7 +139,14 @@ def measure(
     try:
         load(server.url, case.path, case.lua, connections=args.connections, duration=1, tmp=tmp)
         before = server.stats()
-        result = load(
+        split: list[list[int] | None] = []
+        if case.workers > 1:
+            # How the kernel spread the connections over the workers, mid-run.
+            sampler = threading.Timer(
+                args.duration / 2, lambda: split.append(connection_split(server.port))
+            )
+            sampler.start()
+        result: dict[str, Any] = load(
             server.url,
             case.path,
             case.lua,
@@ -145,6 +154,9 @@ def measure(
             duration=args.duration,
             tmp=tmp,
         )
+        if case.workers > 1:
+            sampler.join()
+            result["split"] = split[0] if split else None
         after = server.stats()
         # With several workers the stats come from whichever worker answered: no ratio.
         result["txn_per_request"] = (
@@ -159,9 +171,13 @@ def measure(
         shutil.rmtree(data, ignore_errors=True)
 
 
-def summarize(cases: list[Case], runs: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+def summarize(cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     med = {
-        c.name: {k: statistics.median(r[k] for r in runs[c.name]) for k in runs[c.name][0]}
+        c.name: {
+            k: statistics.median(r[k] for r in runs[c.name])
+            for k in runs[c.name][0]
+            if k != "split"
+        }
         for c in cases
     }
     out = []
@@ -190,6 +206,8 @@ def summarize(cases: list[Case], runs: dict[str, list[dict[str, float]]]) -> lis
                 "rounds_rps": [round(r["rps"], 1) for r in runs[case.name]],
             }
         )
+        if case.workers > 1:
+            out[-1]["connections_per_worker"] = [r.get("split") for r in runs[case.name]]
     return out
 
 
@@ -212,7 +230,7 @@ def main() -> int:
             "server does; numbers are not comparable with wrk runs). apt-get install wrk",
             file=sys.stderr,
         )
-    runs: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cases}
     redis: dict[str, Redis] = {}
     try:
         for kind in sorted({c.redis for c in cases if c.redis}):

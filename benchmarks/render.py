@@ -46,6 +46,18 @@ def results_table(report: dict[str, Any], *, short: bool = False) -> str:
     return "\n".join(lines)
 
 
+def split_lines(report: dict[str, Any]) -> list[str]:
+    """How the kernel spread the connections over the workers, round by round."""
+    out = []
+    for r in report["results"]:
+        splits = r.get("connections_per_worker")
+        if splits and any(splits):
+            rounds = ", ".join("/".join(map(str, s)) if s else "?" for s in splits)
+            rps = ", ".join(f"{x:,.0f}" for x in r["rounds_rps"])
+            out.append(f"- {r['variant']}: {rounds} (req/s {rps})")
+    return out
+
+
 def peer_lines(report: dict[str, Any]) -> list[str]:
     by = {r["variant"]: r for r in report["results"]}
     out = []
@@ -141,11 +153,14 @@ measured split between the event loop and the SQLite writer thread.
   window porch writes only the count (the expiry index stays out of the commit),
   but new clients are inserts, and every checkpoint copies those scattered
   pages back into the database file. That is the drop in the keys curve.
-- **Workers on one core.** With N worker processes each sees about 1/N of the
-  connections, so its group commits are N times smaller (more transactions per
-  request) and N loops and N writer threads share the one pinned CPU. Counting
-  stays exact across them (the gate proves it); the cost shows in the `-4w` rows
-  and varies more from round to round than anything else here.
+- **Workers on one core.** uvicorn's workers share one listening socket, and
+  the kernel does not spread connections evenly over them: the split recorded
+  above changes every round, often one worker with nearly all of them. A
+  worker with a handful of connections has little to group and commits nearly
+  once per request, on the same core as the busy one; so the `-2w` and `-4w`
+  rows swing more from round to round than anything else here (the bare rows
+  do not care how connections are spread). Counting stays exact across workers
+  (the gate proves it).
 - **First executions** make two round trips through their shard and the store
   (the lookup under the key's lock, then the stored response, committed before
   the response's last chunk leaves), a lock and an unlock of the key's byte in
@@ -355,6 +370,11 @@ def main() -> None:
         results_table(report),
         "",
         "![throughput](img/throughput.png)",
+        "",
+        "Connections per worker process in each round (sampled mid-run with `ss`), "
+        "with that round's req/s:",
+        "",
+        *split_lines(report),
         "",
         "Against the peers:",
         "",
