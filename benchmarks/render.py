@@ -155,12 +155,12 @@ measured split between the event loop and the SQLite writer thread.
   pages back into the database file. That is the drop in the keys curve.
 - **Workers on one core.** uvicorn's workers share one listening socket, and
   the kernel does not spread connections evenly over them: the split recorded
-  above changes every round, often one worker with nearly all of them. A
-  worker with a handful of connections has little to group and commits nearly
-  once per request, on the same core as the busy one; so the `-2w` and `-4w`
-  rows swing more from round to round than anything else here (the bare rows
-  do not care how connections are spread). Counting stays exact across workers
-  (the gate proves it).
+  above changes from round to round and is rarely even. A worker with a
+  handful of connections has little to group and commits nearly once per
+  request, on the same core as the busy one; compare each round's split with
+  its req/s. So the `-2w` and `-4w` rows swing more than anything else here
+  (the bare rows do not care how connections are spread). Counting stays exact
+  across workers (the gate proves it).
 - **First executions** make two round trips through their shard and the store
   (the lookup under the key's lock, then the stored response, committed before
   the response's last chunk leaves), a lock and an unlock of the key's byte in
