@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -23,20 +24,93 @@ async def test_storefront_routes(tmp_path: Path) -> None:
         assert created.status_code == 201
         assert created.json() == {"id": 1, "item": "tea", "qty": 2}
         listed = (await c.get("/orders")).json()
-        assert listed == {"count": 1, "orders": [{"id": 1, "item": "tea", "qty": 2}]}
-        for body in (
-            b"{",
-            b"[1]",
-            b'{"item": "", "qty": 1}',
-            b'{"item": "x", "qty": 0}',
-            b'{"item": "x", "qty": true}',
-            b'{"item": 3, "qty": 1}',
-            b"\xff",
-        ):
+        assert listed == {"count": 1, "orders": [{"id": 1, "item": "tea", "qty": 2}], "next": None}
+        for body, status in HOSTILE_BODIES:
             bad = await c.post("/orders", content=body)
-            assert bad.status_code == 400, body
+            assert bad.status_code == status, (body[:40], bad.text)
             assert bad.headers["content-type"] == "application/problem+json"
+            assert bad.json()["status"] == status
         assert (await c.get("/orders")).json()["count"] == 1
+    await app.state.pool.close()
+
+
+# Every one of these answered 500 or was accepted before the demo validated its input.
+HOSTILE_BODIES: list[tuple[bytes, int]] = [
+    (b"{", 400),
+    (b"[1]", 400),
+    (b"\xff", 400),
+    (b"[" * 100_000 + b"]" * 100_000, 413),  # over the body cap before it is parsed
+    (b"[" * 30_000 + b"]" * 30_000, 400),  # RecursionError in json
+    (b'{"item": "x", "qty": ' + b"9" * 5000 + b"}", 400),  # past int()'s digit limit
+    (b'{"item": "", "qty": 1}', 422),
+    (b'{"item": "x", "qty": 0}', 422),
+    (b'{"item": "x", "qty": true}', 422),
+    (b'{"item": "x", "qty": 1.5}', 422),
+    (b'{"item": "x", "qty": "1"}', 422),
+    (b'{"item": 3, "qty": 1}', 422),
+    (b'{"item": ["x"], "qty": 1}', 422),
+    (b'{"item": "x", "qty": 99999999999999999999999}', 422),  # OverflowError in SQLite
+    (b'{"item": "x", "qty": 9223372036854775808}', 422),
+    (b'{"item": "\\ud800", "qty": 1}', 422),  # a lone surrogate: UnicodeEncodeError
+    (b'{"item": "x\\udfffy", "qty": 1}', 422),
+    (b'{"item": "' + b"x" * 201 + b'", "qty": 1}', 422),
+]
+
+
+async def test_every_body_is_capped(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), limit=100))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    big = b'{"item": "' + b"x" * (30 << 20) + b'", "qty": 1}'
+
+    async def streamed() -> AsyncIterator[bytes]:
+        # No Content-Length: chunked, so only the reader's cap can stop it.
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        for headers in ({}, {"Idempotency-Key": "big-1"}):
+            declared = await c.post("/orders", content=big, headers=headers)
+            assert declared.status_code == 413, declared.text
+            chunked = await c.post("/orders", content=streamed(), headers=headers)
+            assert chunked.status_code == 413, chunked.text
+            assert chunked.headers["content-type"] == "application/problem+json"
+        # Any route: a declared body over the cap never reaches a handler.
+        assert (await c.request("GET", "/products", content=big)).status_code == 413
+        assert (await c.get("/orders")).json()["count"] == 0
+    await app.state.pool.close()
+
+
+async def test_orders_are_paginated(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), limit=1000))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        for i in range(7):
+            assert (await c.post("/orders", json={"item": f"i{i}", "qty": 1})).status_code == 201
+        seen: list[int] = []
+        after: int | None = 0
+        while after is not None:
+            page = (await c.get("/orders", params={"limit": 3, "after": after})).json()
+            assert page["count"] == 7  # the host's total, on every page
+            assert len(page["orders"]) <= 3
+            seen += [o["id"] for o in page["orders"]]
+            after = page["next"]
+        assert seen == list(range(1, 8))
+        whole = (await c.get("/orders")).json()
+        assert [o["id"] for o in whole["orders"]] == seen
+        assert whole["next"] is None
+        for query in (
+            "limit=0",
+            "limit=1001",
+            "limit=x",
+            "after=-1",
+            "after=1e3",
+            "limit=1&limit=2",
+            "after=" + "9" * 30,
+            "limit=\u0661",
+        ):
+            bad = await c.get("/orders?" + query)
+            assert bad.status_code == 400, query
+            assert bad.headers["content-type"] == "application/problem+json"
     await app.state.pool.close()
 
 

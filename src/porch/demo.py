@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,6 +32,7 @@ from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .identity import ClientIdentity
 from .pool import KeyPool
 from .ratelimit import RateLimitMiddleware
+from .responses import problem
 from .rules import Limit, Rule
 from .store.base import Durability
 from .store.sqlite import SQLiteStore
@@ -37,6 +40,16 @@ from .store.sqlite import SQLiteStore
 __all__ = ["DemoConfig", "create_app", "create_app_from_env"]
 
 CONFIG_ENV = "PORCH_DEMO_CONFIG"
+
+logger = logging.getLogger("porch.demo")
+
+# The demo validates its own input: an order is small, and nothing a client sends
+# may reach SQLite (or json's recursion) unchecked.
+MAX_BODY = 64 * 1024
+MAX_ITEM = 200
+MAX_QTY = 10_000
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
 
 PRODUCTS = (
     {"id": "tea", "name": "Porch tea", "price_cents": 450},
@@ -109,28 +122,104 @@ class Orders:
         cur = self._conn().execute("INSERT INTO orders (item, qty) VALUES (?, ?)", (item, qty))
         return int(cur.lastrowid or 0)
 
-    def _list(self) -> list[dict[str, Any]]:
-        rows = self._conn().execute("SELECT id, item, qty FROM orders ORDER BY id").fetchall()
-        return [{"id": r[0], "item": r[1], "qty": r[2]} for r in rows]
+    def _page(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        conn = self._conn()
+        # One read transaction: the total and the page describe the same moment.
+        conn.execute("BEGIN")
+        try:
+            (total,) = conn.execute("SELECT COUNT(*) FROM orders").fetchone()
+            rows = conn.execute(
+                "SELECT id, item, qty FROM orders WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+            ).fetchall()
+        finally:
+            conn.execute("COMMIT")
+        return int(total), [{"id": r[0], "item": r[1], "qty": r[2]} for r in rows]
 
     async def insert(self, item: str, qty: int) -> int:
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._insert, item, qty
         )
 
-    async def list(self) -> list[dict[str, Any]]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._list)
+    async def page(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """The total number of orders, and up to ``limit`` orders with ids after ``after``."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._page, after, limit
+        )
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
 
-def _bad_request(detail: str) -> JSONResponse:
+_TITLES = {400: "Bad Request", 413: "Content Too Large", 422: "Unprocessable Content"}
+
+
+def _problem(status: int, detail: str) -> JSONResponse:
     return JSONResponse(
-        {"type": "about:blank", "title": "Bad Request", "status": 400, "detail": detail},
-        status_code=400,
+        {"type": "about:blank", "title": _TITLES[status], "status": status, "detail": detail},
+        status_code=status,
         media_type="application/problem+json",
     )
+
+
+class _TooLarge(Exception):
+    """Raised when a request body exceeds MAX_BODY while it is read."""
+
+
+async def _read_capped(request: Request, cap: int) -> bytes:
+    """The body, read chunk by chunk and refused as soon as it passes ``cap``."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_order(body: bytes) -> tuple[str, int] | JSONResponse:
+    """An order's ``(item, qty)``, or the 400/422 problem that refuses it."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: a deeply nested array; ValueError also covers an
+        # integer literal longer than Python's int-parsing limit.
+        return _problem(400, "body must be a JSON object")
+    if not isinstance(payload, dict):
+        return _problem(400, "body must be a JSON object")
+    item, qty = payload.get("item"), payload.get("qty")
+    if not isinstance(item, str) or not item:
+        return _problem(422, "'item' must be a non-empty string")
+    if len(item) > MAX_ITEM:
+        return _problem(422, f"'item' must be at most {MAX_ITEM} characters")
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate written as a JSON escape
+        return _problem(422, "'item' must be valid Unicode text (no lone surrogates)")
+    if isinstance(qty, bool) or not isinstance(qty, int) or not 1 <= qty <= MAX_QTY:
+        return _problem(422, f"'qty' must be an integer from 1 to {MAX_QTY}")
+    return item, qty
+
+
+def _page_args(query: str) -> tuple[int, int] | JSONResponse:
+    try:
+        params = parse_qs(query, keep_blank_values=True, strict_parsing=False, max_num_fields=20)
+    except ValueError:
+        return _problem(400, "too many query parameters")
+    values: dict[str, int] = {}
+    for name, default, low, high in (
+        ("after", 0, 0, 2**63 - 1),
+        ("limit", DEFAULT_PAGE, 1, MAX_PAGE),
+    ):
+        raw = params.get(name, [str(default)])
+        text = raw[-1].strip()
+        if len(raw) != 1 or not text.isascii() or not text.isdigit() or len(text) > 19:
+            return _problem(400, f"'{name}' must be one integer from {low} to {high}")
+        number = int(text)
+        if not low <= number <= high:
+            return _problem(400, f"'{name}' must be one integer from {low} to {high}")
+        values[name] = number
+    return values["after"], values["limit"]
 
 
 def create_app(config: DemoConfig | None = None) -> Starlette:
@@ -147,24 +236,33 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
 
     async def create_order(request: Request) -> JSONResponse:
         try:
-            payload = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            return _bad_request("body must be a JSON object")
-        if not isinstance(payload, dict):
-            return _bad_request("body must be a JSON object")
-        item, qty = payload.get("item"), payload.get("qty")
-        if not isinstance(item, str) or not item:
-            return _bad_request("'item' must be a non-empty string")
-        if isinstance(qty, bool) or not isinstance(qty, int) or qty < 1:
-            return _bad_request("'qty' must be an integer >= 1")
+            body = await _read_capped(request, MAX_BODY)
+        except _TooLarge:
+            logger.info(
+                "porch demo: refused an order body over %d bytes (413)",
+                MAX_BODY,
+                extra={"outcome": "too_large", "status": 413},
+            )
+            return _problem(413, f"a request body may be at most {MAX_BODY} bytes")
+        parsed = parse_order(body)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        item, qty = parsed
         if config.checkout_latency:
             await asyncio.sleep(config.checkout_latency)  # the payment provider
         order_id = await orders.insert(item, qty)
         return JSONResponse({"id": order_id, "item": item, "qty": qty}, status_code=201)
 
     async def list_orders(request: Request) -> JSONResponse:
-        rows = await orders.list()
-        return JSONResponse({"count": len(rows), "orders": rows})
+        args = _page_args(request.scope.get("query_string", b"").decode("latin-1"))
+        if isinstance(args, JSONResponse):
+            return args
+        after, limit = args
+        total, rows = await orders.page(after, limit + 1)
+        # ``count`` is every order this host holds; ``orders`` one page of them, and
+        # ``next`` the ``after`` that fetches the following page (null on the last).
+        following = rows[limit - 1]["id"] if len(rows) > limit else None
+        return JSONResponse({"count": total, "orders": rows[:limit], "next": following})
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
@@ -188,6 +286,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         IdempotencyMiddleware,
         pool=pool,
         rules=IdempotencyRule("/orders", methods=["POST"]),
+        max_body=MAX_BODY,
     )
     app.add_middleware(
         RateLimitMiddleware,
@@ -197,10 +296,43 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         exempt=("/health",),
     )
     app.state.pool = pool
+    # A declared body over the cap is refused before anything reads or counts it.
+    app.add_middleware(_BodyCap, cap=MAX_BODY)
     # Outermost: every response, replays and refusals included, names the worker
     # process that served it, so multi-worker runs can be checked from outside.
     app.add_middleware(_WorkerHeader)
     return app
+
+
+class _BodyCap:
+    """413 for any request whose Content-Length exceeds ``cap``; streamed bodies are
+    capped where they are read (the order handler, the idempotency middleware)."""
+
+    def __init__(self, app: ASGIApp, *, cap: int) -> None:
+        self.app = app
+        self.cap = cap
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length":
+                    text = value.strip()
+                    if not text.isdigit():
+                        await problem(400, "Content-Length must be a decimal integer")(
+                            scope, receive, send
+                        )
+                        return
+                    if len(text) > 18 or int(text) > self.cap:
+                        logger.info(
+                            "porch demo: refused a declared body over %d bytes (413)",
+                            self.cap,
+                            extra={"outcome": "too_large", "status": 413},
+                        )
+                        await problem(413, f"a request body may be at most {self.cap} bytes")(
+                            scope, receive, send
+                        )
+                        return
+        await self.app(scope, receive, send)
 
 
 class _WorkerHeader:
