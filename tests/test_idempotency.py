@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.cookiejar
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,9 +83,17 @@ Make = Callable[..., httpx.AsyncClient]
 def make(pool: KeyPool, handler: Handler) -> Make:
     def build(**kwargs: Any) -> httpx.AsyncClient:
         app: ASGIApp = IdempotencyMiddleware(handler, pool=pool, **kwargs)
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", cookies=no_cookies()
+        )
 
     return build
+
+
+def no_cookies() -> http.cookiejar.CookieJar:
+    """A jar that keeps nothing: the handler sets a cookie, and a client sending it back
+    would be another caller (CallerScope), not a retry."""
+    return http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
 
 
 def keyed(key: str = "k1", **extra: str) -> dict[str, str]:
@@ -410,6 +419,7 @@ async def two_pools(tmp_path: Path, handler: Handler) -> AsyncIterator[list[http
         httpx.AsyncClient(
             transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
             base_url="http://t",
+            cookies=no_cookies(),
         )
         for p in pools
     ]
@@ -461,7 +471,7 @@ async def test_stored_responses_expire_after_their_ttl(tmp_path: Path) -> None:
     async with KeyPool(SQLiteStore(tmp_path, clock=clock)) as pool:
         app = IdempotencyMiddleware(handler, pool=pool, ttl=60)
         async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
+            transport=httpx.ASGITransport(app=app), base_url="http://t", cookies=no_cookies()
         ) as c:
             await c.post("/o", content=b"b", headers=keyed())
             clock.advance(59)
@@ -486,7 +496,9 @@ async def test_waiting_for_another_pools_lock_ends_at_the_deadline(tmp_path: Pat
         IdempotencyMiddleware(handler, pool=pools[1], wait_timeout=0.1),
     ]
     clients = [
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", cookies=no_cookies()
+        )
         for app in apps
     ]
     try:

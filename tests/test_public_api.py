@@ -8,6 +8,7 @@ def test_public_surface_is_pinned() -> None:
     # A change here is a change to porch's public API: make it on purpose.
     assert sorted(porch.__all__) == sorted(
         [
+            "CallerScope",
             "ClientIdentity",
             "Clock",
             "ConfigurationError",

@@ -9,7 +9,7 @@ from .errors import (
     StoreError,
 )
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
-from .idempotency_keys import ScopeFunc, authorization_scope
+from .idempotency_keys import CallerScope, ScopeFunc, authorization_scope
 from .identity import ClientIdentity, KeyFunc
 from .mailbox import Mailbox, MailboxStatistics
 from .pool import KeyPool, PoolStatistics
@@ -20,6 +20,7 @@ from .store import Durability, SQLiteStore, Store, StoredResponse, StoreStatisti
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallerScope",
     "ClientIdentity",
     "Clock",
     "ConfigurationError",

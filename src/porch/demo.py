@@ -29,6 +29,7 @@ from ._asgi import adding_headers
 from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
+from .idempotency_keys import CallerScope
 from .identity import ClientIdentity
 from .pool import KeyPool
 from .ratelimit import RateLimitMiddleware
@@ -280,6 +281,9 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     )
     store = SQLiteStore(data, durability=config.durability)
     pool = KeyPool(store, size=config.pool_size, mailbox=config.mailbox)
+    # One identity for both: an anonymous caller's keys are scoped to the client the
+    # limiter counts, so no two clients see each other's keys.
+    identity = ClientIdentity(trust_hops=config.trust_proxy_hops)
     # Starlette wraps the last-added middleware outermost: the limiter sees every
     # request first (replays count too), then idempotency guards checkout.
     app.add_middleware(
@@ -287,12 +291,13 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         pool=pool,
         rules=IdempotencyRule("/orders", methods=["POST"]),
         max_body=MAX_BODY,
+        scope=CallerScope(identity=identity),
     )
     app.add_middleware(
         RateLimitMiddleware,
         pool=pool,
         rules=Rule(Limit(config.limit, config.window, name="demo")),
-        key=ClientIdentity(trust_hops=config.trust_proxy_hops),
+        key=identity,
         exempt=("/health",),
     )
     app.state.pool = pool

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,16 +19,16 @@ from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from .idempotency_keys import (
+    CallerScope,
     InvalidKey,
     ScopeFunc,
-    authorization_scope,
     parse_key,
     request_digest,
 )
 from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome
 from .pool import KeyPool
 from .responses import BytesResponse, problem
-from .rules import path_matches
+from .rules import normalize_method, path_matches
 from .store.base import StoredResponse
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyRule"]
@@ -43,14 +44,22 @@ def storable(status: int) -> bool:
     return 200 <= status < 500 and status not in _UNSTORED_STATUSES
 
 
+# A header field name (RFC 9110 token).
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# What servers refuse to send in a header value (the set uvicorn checks): CTLs but HTAB.
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class IdempotencyRule:
     """Which requests honour ``Idempotency-Key``: a path prefix and methods; ``required`` → 400
-    for a selected request that has no key."""
+    for a selected request that has no key. ``digest_headers`` names request headers that
+    change a request's meaning (an account header, say), digested with ``Content-Type``."""
 
     path: str
     methods: frozenset[str]
     required: bool
+    digest_headers: tuple[bytes, ...]
 
     def __init__(
         self,
@@ -58,23 +67,35 @@ class IdempotencyRule:
         *,
         methods: Iterable[str] = ("POST", "PATCH"),
         required: bool = False,
+        digest_headers: Iterable[str] = (),
     ) -> None:
         if not path.startswith("/"):
             raise ConfigurationError(f"idempotency rule path must start with '/', got {path!r}")
-        methods = frozenset(m.upper() for m in methods)
+        methods = frozenset(normalize_method(m) for m in methods)
         if not methods:
             raise ConfigurationError("an idempotency rule needs at least one method")
+        if isinstance(digest_headers, str):
+            raise ConfigurationError("digest_headers must be a sequence of header names")
+        names = [b"content-type"]
+        for header in digest_headers:
+            name = header.strip().lower().encode("latin-1")
+            if _TOKEN.fullmatch(name) is None:
+                raise ConfigurationError(f"digest_headers entry {header!r} is not a header name")
+            if name not in names:
+                names.append(name)
         object.__setattr__(self, "path", path.rstrip("/") or "/")
         object.__setattr__(self, "methods", methods)
         object.__setattr__(self, "required", required)
+        object.__setattr__(self, "digest_headers", tuple(names))
 
 
 class IdempotencyMiddleware:
     """Replay stored responses for repeated ``Idempotency-Key`` requests; run the handler once.
 
-    ``scope`` names the caller a key belongs to (default: a digest of the
-    ``Authorization`` header). Responses are kept ``ttl`` seconds. A duplicate
-    waits for a running owner at most ``wait_timeout`` seconds (then 409).
+    ``scope`` names the caller a key belongs to (default: :class:`CallerScope`,
+    credentials or else the client identity; no caller sees another's keys).
+    Responses are kept ``ttl`` seconds. A duplicate waits for a running owner at
+    most ``wait_timeout`` seconds (then 409).
     Keyed bodies over ``max_body`` bytes are refused with 413; responses over
     ``max_stored`` bytes are sent but not stored, and the key is released as if
     the owner had failed (the next duplicate runs the handler).
@@ -86,7 +107,7 @@ class IdempotencyMiddleware:
         *,
         pool: KeyPool,
         rules: Sequence[IdempotencyRule] | IdempotencyRule = IdempotencyRule(),
-        scope: ScopeFunc = authorization_scope,
+        scope: ScopeFunc | None = None,
         ttl: float = 86400.0,
         wait_timeout: float = 30.0,
         max_body: int = 1 << 20,
@@ -111,7 +132,7 @@ class IdempotencyMiddleware:
         self.app = app
         self.pool = pool
         self._rules = rules
-        self._scope = scope
+        self._scope: ScopeFunc = scope if scope is not None else CallerScope()
         self.ttl = float(ttl)
         self.wait_timeout = float(wait_timeout)
         self.max_body = max_body
@@ -128,7 +149,7 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        rule = self._select(scope["method"], scope["path"])
+        rule = self._select(normalize_method(scope["method"]), scope["path"])
         if rule is None:
             await self.app(scope, receive, send)
             return
@@ -158,8 +179,13 @@ class IdempotencyMiddleware:
             return
         if body is None:  # the client left while sending
             return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
         digest = request_digest(
-            scope["method"], scope["path"], scope.get("query_string", b""), body
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            body,
+            [(name, [v for k, v in headers if k == name]) for name in rule.digest_headers],
         )
         scoped = f"{self._scope(scope)}\x1f{key}"
         await self._keyed(scope, receive, send, scoped, digest, body)
@@ -250,6 +276,15 @@ class _BodyTooLarge(Exception):
     """Raised when a keyed request body exceeds ``max_body``."""
 
 
+def _invalid_header(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The first header whose bytes a server would refuse to send (a name that is no token,
+    CR/LF/NUL or another control byte in a value), or None."""
+    for name, value in headers:
+        if _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
+            return bytes(name)
+    return None
+
+
 def _retrieve(future: asyncio.Future[None]) -> None:
     if not future.cancelled():
         future.exception()
@@ -287,6 +322,7 @@ class _Capture:
         "chunks",
         "digest",
         "headers",
+        "invalid",
         "key",
         "middleware",
         "oversized",
@@ -310,6 +346,7 @@ class _Capture:
         self.chunks: list[bytes] = []
         self.size = 0
         self.oversized = False
+        self.invalid: bytes | None = None
         self.reported = False
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[None]:
@@ -320,6 +357,7 @@ class _Capture:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
+            self.invalid = _invalid_header(message.get("headers", ()))
             self.headers = tuple(
                 (k.lower(), v)
                 for k, v in message.get("headers", ())
@@ -348,8 +386,15 @@ class _Capture:
 
     async def _complete(self) -> None:
         """The app finished its response: store it (if storable) before the last chunk leaves."""
-        if self.oversized or not storable(self.status):
-            if self.oversized:
+        if self.invalid is not None or self.oversized or not storable(self.status):
+            if self.invalid is not None:
+                # The server will refuse to send it; stored, every retry would fail the
+                # same way for the whole ttl. Passed on as is: the server decides.
+                logger.warning(
+                    "porch: response has an invalid header %s; not stored, key released",
+                    self.invalid[:64],
+                )
+            elif self.oversized:
                 logger.warning(
                     "porch: response over max_stored=%d bytes was not stored; key released",
                     self.middleware.max_stored,

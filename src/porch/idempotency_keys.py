@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ._types import Scope
+from .identity import ClientIdentity, KeyFunc
 
-__all__ = ["InvalidKey", "ScopeFunc", "authorization_scope", "parse_key", "request_digest"]
+__all__ = [
+    "CallerScope",
+    "InvalidKey",
+    "ScopeFunc",
+    "authorization_scope",
+    "parse_key",
+    "request_digest",
+]
 
 ScopeFunc = Callable[[Scope], str]
 
@@ -61,21 +69,77 @@ def _sf_string(raw: bytes) -> bytes:
 
 
 def authorization_scope(scope: Scope) -> str:
-    """The default caller scope: a digest of the ``Authorization`` header (or ``anon``)."""
+    """A caller scope from ``Authorization`` alone (or ``anon``).
+
+    Not the default: every caller without the header shares the ``anon`` scope,
+    so they can replay and probe each other's keys. Use it only where every
+    request to an idempotent route carries ``Authorization``.
+    """
     auth = [v for k, v in scope["headers"] if k == b"authorization"]
     if not auth:
         return "anon"
     return hashlib.blake2b(b"\n".join(auth), digest_size=16).hexdigest()
 
 
-def request_digest(method: str, path: str, query: bytes, body: bytes) -> bytes:
-    """What makes two requests "the same": method, path with query, and body."""
+class CallerScope:
+    """The default caller scope: who a key belongs to, so no caller sees another's keys.
+
+    A request carrying ``Authorization`` or ``Cookie`` is scoped by a digest of
+    both (a new token or session is a new caller). A request carrying neither
+    is scoped by its client identity — ``identity`` (default:
+    :class:`ClientIdentity`, the peer host), which should be the key function
+    the rate limiter uses. So an anonymous client whose address changes (a new
+    NAT mapping, another /64) gets a fresh scope, and its retry runs the handler
+    again: pass ``scope=`` a function returning your user id to do better.
+    """
+
+    __slots__ = ("_identity",)
+
+    def __init__(self, *, identity: KeyFunc | None = None) -> None:
+        self._identity: KeyFunc = identity if identity is not None else ClientIdentity()
+
+    def __call__(self, scope: Scope) -> str:
+        h: hashlib.blake2b | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization" or name == b"cookie":
+                if h is None:
+                    h = hashlib.blake2b(digest_size=16)
+                # Length-prefixed and labelled: "Cookie: x" is not "Authorization: x".
+                h.update(b"%s %d:" % (name[:1], len(value)))
+                h.update(value)
+        if h is not None:
+            return "cred:" + h.hexdigest()
+        return "client:" + self._identity(scope)
+
+
+def request_digest(
+    method: str,
+    path: str,
+    query: bytes,
+    body: bytes,
+    headers: Sequence[tuple[bytes, Sequence[bytes]]] = (),
+) -> bytes:
+    """What makes two requests "the same": method, path with query, the named headers, body.
+
+    ``headers`` pairs a lower-case header name with the values the request sent
+    for it (none: absent). Every part is length-prefixed, so no two different
+    requests can be made to run together into one digest.
+    """
     h = hashlib.blake2b(digest_size=32)
-    h.update(method.encode("ascii", "replace"))
-    h.update(b"\0")
-    h.update(path.encode("utf-8", "surrogateescape"))
-    h.update(b"?")
-    h.update(query)
-    h.update(b"\0")
+    for part in (
+        method.upper().encode("ascii", "replace"),
+        path.encode("utf-8", "surrogateescape"),
+        query,
+    ):
+        h.update(b"%d:" % len(part))
+        h.update(part)
+    for name, values in headers:
+        h.update(b"h%d:" % len(name))
+        h.update(name)
+        h.update(b"#%d" % len(values))
+        for value in values:
+            h.update(b"%d:" % len(value))
+            h.update(value)
+    h.update(b"b%d:" % len(body))
     h.update(body)
     return h.digest()

@@ -20,7 +20,7 @@ from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreEr
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
 from .responses import problem
-from .rules import Limit, Rule
+from .rules import Limit, Rule, normalize_method
 from .store.base import Hit, StoreOp
 
 __all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
@@ -163,7 +163,7 @@ class RateLimitMiddleware:
         path: str = scope["path"]
         if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
             return None
-        method: str = scope["method"]
+        method = normalize_method(scope["method"])
         for compiled in self._rules:
             if compiled.rule.matches(method, path):
                 return compiled

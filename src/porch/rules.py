@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigurationError
 
-__all__ = ["Limit", "Rule", "path_matches"]
+__all__ = ["Limit", "Rule", "normalize_method", "path_matches"]
 
 # Names travel in a structured-field string (RateLimit-Policy) and in store keys.
 _NAME = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}\Z")
@@ -76,15 +76,27 @@ class Rule:
         object.__setattr__(self, "limits", limits)
         object.__setattr__(self, "path", path.rstrip("/") or "/")
         object.__setattr__(
-            self, "methods", None if methods is None else frozenset(m.upper() for m in methods)
+            self,
+            "methods",
+            None if methods is None else frozenset(normalize_method(m) for m in methods),
         )
         object.__setattr__(self, "name", name)
 
     def matches(self, method: str, path: str) -> bool:
-        """Whether a request is selected: ``path`` equals the prefix or lies below it."""
+        """Whether a request is selected: ``path`` equals the prefix or lies below it.
+
+        ``method`` must already be normalized (:func:`normalize_method`).
+        """
         if self.methods is not None and method not in self.methods:
             return False
         return path_matches(self.path, path)
+
+
+def normalize_method(method: str) -> str:
+    """The method a rule compares: upper-cased (h11 passes ``post`` through as sent), and
+    ``HEAD`` as ``GET`` — a HEAD runs the GET handler, so it must not slip past GET's limits."""
+    method = method.upper()
+    return "GET" if method == "HEAD" else method
 
 
 def path_matches(prefix: str, path: str) -> bool:

@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.e2e]
 HERE = Path(__file__).resolve().parent
 PROBLEM_JSON = "application/problem+json"
 REPLAYED = "Idempotent-Replayed"
-ANON = "anon"
+ANON = "client:127.0.0.1"  # CallerScope: no credentials, so the client identity
 SEP = "\x1f"
 BIG_LIMIT = 10000  # keeps the demo's rate limiter out of the way
 STARTUP_TIMEOUT = 15.0
@@ -113,7 +113,7 @@ def stored(db_path: Path) -> dict[str, StoredRow]:
 
 
 def anon(key: str) -> str:
-    """The scoped key porch stores for a request without ``Authorization``."""
+    """The scoped key porch stores for a request from 127.0.0.1 without credentials."""
     return f"{ANON}{SEP}{key}"
 
 

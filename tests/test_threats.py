@@ -1,0 +1,195 @@
+"""The security review's findings (issue 12, THREATS.md), in process: each test fails on the
+code before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from porch import (
+    CallerScope,
+    ClientIdentity,
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    KeyPool,
+    Limit,
+    ManualClock,
+    RateLimitMiddleware,
+    Rule,
+    SQLiteStore,
+)
+from porch._types import ASGIApp, Receive, Scope, Send
+
+pytestmark = pytest.mark.anyio
+
+
+class Orders:
+    """An app that counts executions and can put any header in its response."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.extra: list[tuple[bytes, bytes]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.calls += 1
+        while (await receive()).get("more_body", False):
+            pass
+        headers = [(b"content-type", b"text/plain"), *self.extra]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": f"order {self.calls}".encode()})
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path, clock=ManualClock()), size=2)
+    yield p
+    await p.close()
+
+
+def client(app: ASGIApp, peer: str = "10.1.1.1") -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://t")
+
+
+def keyed(key: str = "order-1", **extra: str) -> dict[str, str]:
+    return {"idempotency-key": key, **extra}
+
+
+# --- finding 1: the default scope -----------------------------------------------------------
+
+
+async def test_anonymous_clients_never_share_a_key(pool: KeyPool) -> None:
+    orders = Orders()
+    app = IdempotencyMiddleware(orders, pool=pool)
+    async with client(app, "10.0.0.1") as alice, client(app, "10.0.0.2") as bob:
+        first = await alice.post("/orders", content=b"tea", headers=keyed())
+        same = await bob.post("/orders", content=b"tea", headers=keyed())
+        other = await bob.post("/orders", content=b"lamp", headers=keyed("order-2"))
+        probe = await bob.post("/orders", content=b"chair", headers=keyed())
+        replay = await alice.post("/orders", content=b"tea", headers=keyed())
+    # Bob neither gets alice's order (replay) nor learns that her key exists (422).
+    assert "idempotent-replayed" not in same.headers
+    assert same.content != first.content
+    assert other.status_code == 201
+    assert probe.status_code == 422  # bob's own "order-1" was for "tea"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == first.content
+
+
+async def test_cookie_sessions_and_x_api_key_apps_do_not_share_a_key(pool: KeyPool) -> None:
+    orders = Orders()
+    app = IdempotencyMiddleware(orders, pool=pool)
+    async with client(app, "10.0.0.9") as c:  # one address: a NAT, or the same proxy
+        a = await c.post("/orders", content=b"x", headers=keyed(cookie="session=a"))
+        b = await c.post("/orders", content=b"y", headers=keyed(cookie="session=b"))
+        auth = await c.post("/orders", content=b"x", headers=keyed(authorization="session=a"))
+        again = await c.post("/orders", content=b"x", headers=keyed(cookie="session=a"))
+    assert [a.status_code, b.status_code, auth.status_code] == [201, 201, 201]
+    assert "idempotent-replayed" not in auth.headers  # Cookie: x is not Authorization: x
+    assert again.headers["idempotent-replayed"] == "true"
+    assert orders.calls == 3
+
+
+def test_caller_scope_uses_the_limiters_identity() -> None:
+    behind_proxy = CallerScope(identity=ClientIdentity(trust_hops=1))
+    scope: Scope = {
+        "type": "http",
+        "client": ("10.0.0.1", 1),
+        "headers": [(b"x-forwarded-for", b"203.0.113.7")],
+    }
+    assert behind_proxy(scope) == "client:203.0.113.7"
+    assert CallerScope()(scope) == "client:10.0.0.1"
+
+
+# --- finding 6: methods ---------------------------------------------------------------------
+
+
+async def test_head_counts_as_get_for_a_methods_rule(pool: KeyPool) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(orders, pool=pool, rules=Rule(Limit(2, 60), methods=["GET"]))
+    async with client(app) as c:
+        codes = [(await c.request(m, "/products")).status_code for m in ("GET", "HEAD", "HEAD")]
+    assert codes == [201, 201, 429]
+    assert orders.calls == 2
+
+
+async def test_lower_case_methods_do_not_skip_rules(pool: KeyPool) -> None:
+    orders = Orders()
+    limited = RateLimitMiddleware(orders, pool=pool, rules=Rule(Limit(1, 60), methods=["POST"]))
+    app = IdempotencyMiddleware(limited, pool=pool, rules=IdempotencyRule("/orders"))
+    async with client(app) as c:
+        first = await c.request("post", "/orders", content=b"x", headers=keyed())
+        again = await c.request("post", "/orders", content=b"x", headers=keyed())
+        other = await c.request("post", "/orders", content=b"x", headers=keyed("order-2"))
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"  # idempotency saw "post"
+    assert other.status_code == 429  # and so did the limiter
+    assert orders.calls == 1
+
+
+# --- finding 7: the digest ------------------------------------------------------------------
+
+
+async def test_content_type_and_named_headers_are_in_the_digest(pool: KeyPool) -> None:
+    orders = Orders()
+    rule = IdempotencyRule("/orders", methods=["POST"], digest_headers=["X-Account"])
+    app = IdempotencyMiddleware(orders, pool=pool, rules=rule, scope=lambda s: "one-user")
+    async with client(app) as c:
+        base = {"content-type": "application/json", "x-account": "a"}
+        first = await c.post("/orders", content=b"{}", headers=keyed(**base))
+        form = await c.post(
+            "/orders", content=b"{}", headers=keyed(**{**base, "content-type": "text/plain"})
+        )
+        other = {**base, "x-account": "b"}
+        account = await c.post("/orders", content=b"{}", headers=keyed(**other))
+        bare = await c.post("/orders", content=b"{}", headers=keyed())
+        same = await c.post("/orders", content=b"{}", headers=keyed(**base))
+    assert first.status_code == 201
+    assert [form.status_code, account.status_code, bare.status_code] == [422, 422, 422]
+    assert same.headers["idempotent-replayed"] == "true"
+    assert orders.calls == 1
+
+
+# --- finding 9: header bytes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        (b"location", b"/orders/1\r\nset-cookie: x=1"),
+        (b"location", b"/orders/\x00"),
+        (b"x-bad name", b"1"),
+        (b"x-bad\nname", b"1"),
+    ],
+)
+async def test_a_response_with_unsendable_header_bytes_is_not_stored(
+    pool: KeyPool, header: tuple[bytes, bytes]
+) -> None:
+    orders = Orders()
+    orders.extra = [header]
+    app = IdempotencyMiddleware(orders, pool=pool)
+    async with client(app) as c:
+        for _ in range(2):
+            r = await c.post("/orders", content=b"x", headers=keyed())
+            assert "idempotent-replayed" not in r.headers
+    # Not stored, key released: the retry runs the handler again instead of failing for 24 h.
+    assert orders.calls == 2
+
+
+async def test_concurrent_anonymous_clients_with_one_key_each_run(pool: KeyPool) -> None:
+    orders = Orders()
+    app = IdempotencyMiddleware(orders, pool=pool)
+    clients = [client(app, f"10.0.1.{i}") for i in range(5)]
+    try:
+        responses = await asyncio.gather(
+            *(c.post("/orders", content=b"x", headers=keyed()) for c in clients)
+        )
+    finally:
+        for c in clients:
+            await c.aclose()
+    assert all("idempotent-replayed" not in r.headers for r in responses)
+    assert orders.calls == 5
