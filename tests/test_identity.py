@@ -8,7 +8,7 @@ from typing import Any, Literal
 import pytest
 
 import porch.identity
-from porch.errors import ConfigurationError
+from porch.errors import ConfigurationError, ForwardingHeaderError
 from porch.identity import ClientIdentity, KeyFunc
 
 PEER = ("10.0.0.1", 5555)
@@ -62,7 +62,7 @@ def test_port_is_never_in_the_key() -> None:
     key = ClientIdentity()
     assert key(scope(client=("10.0.0.1", 1111))) == "10.0.0.1"
     assert key(scope(client=("10.0.0.1", 2222))) == "10.0.0.1"
-    assert key(scope(client=("2001:db8::1", 3333))) == "2001:db8::1"
+    assert key(scope(client=("2001:db8::1", 3333))) == "2001:db8::/64"
 
 
 def test_missing_or_none_client_is_unknown() -> None:
@@ -79,8 +79,7 @@ def test_non_ip_peer_is_used_as_is() -> None:
     assert ClientIdentity(trust_hops=1)(scope(client=peer)) == "testclient"
     trusted = ClientIdentity(trusted_proxies=["10.0.0.0/8"])
     assert trusted(scope(xff("1.2.3.4"), client=peer)) == "testclient"
-    grouped = ClientIdentity(group_ipv6=True)
-    assert grouped(scope(client=("/run/app:1.sock", 0))) == "/run/app:1.sock"
+    assert ClientIdentity()(scope(client=("/run/app:1.sock", 0))) == "/run/app:1.sock"
 
 
 def test_default_path_parses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,8 +87,8 @@ def test_default_path_parses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError(f"parsed {text!r} on the hot path")
 
     monkeypatch.setattr(porch.identity, "_parse_ip", refuse)
-    assert ClientIdentity()(scope(client=("::ffff:10.0.0.1", 1))) == "::ffff:10.0.0.1"
-    assert ClientIdentity(group_ipv6=True)(scope(client=("10.0.0.1", 1))) == "10.0.0.1"
+    assert ClientIdentity()(scope(client=("10.0.0.1", 1))) == "10.0.0.1"
+    assert ClientIdentity(ipv6_prefix=128)(scope(client=("10.0.0.1", 1))) == "10.0.0.1"
 
 
 # --- trust_hops -----------------------------------------------------------------------------
@@ -135,6 +134,7 @@ def test_multiple_header_lines_are_joined_in_order() -> None:
     assert ClientIdentity(trust_hops=1)(s) == "3.3.3.3"
     assert ClientIdentity(trust_hops=2)(s) == "2.2.2.2"
     assert ClientIdentity(trust_hops=3)(s) == "1.1.1.1"
+    assert ClientIdentity(trust_hops=4)(s) == "1.1.1.1"
 
 
 # --- trusted_proxies ------------------------------------------------------------------------
@@ -156,6 +156,7 @@ def test_untrusted_peer_ignores_headers(caplog: pytest.LogCaptureFixture) -> Non
         ("1.1.1.1, 2001:db8::5, 10.0.0.5", "1.1.1.1"),
         ("10.0.0.7, 10.0.0.5", "10.0.0.7"),
         ("garbage, 3.3.3.3", "3.3.3.3"),
+        ("x" * 10_000 + ", 3.3.3.3, 10.0.0.5", "3.3.3.3"),
     ],
 )
 def test_trusted_proxies_walk_to_the_first_untrusted(header: str, expected: str) -> None:
@@ -188,7 +189,7 @@ def test_trusted_proxies_entries_are_not_strict() -> None:
     ],
 )
 def test_forwarded_addresses_are_normalized(entry: str, expected: str) -> None:
-    assert ClientIdentity(trust_hops=1)(scope(xff(entry))) == expected
+    assert ClientIdentity(trust_hops=1, ipv6_prefix=128)(scope(xff(entry))) == expected
 
 
 def test_peer_is_normalized_on_the_headers_path() -> None:
@@ -211,7 +212,7 @@ def test_forwarded_elements(hops: int, expected: str) -> None:
         'for="192.0.2.60";proto=http, for="[2001:db8:cafe::17]:4711", '
         "for=192.0.2.43:80;proto=https, FOR=198.51.100.17;by=203.0.113.43"
     )
-    key = ClientIdentity(trust_hops=hops, header="forwarded")
+    key = ClientIdentity(trust_hops=hops, header="forwarded", ipv6_prefix=128)
     assert key(scope(fwd(header))) == expected
 
 
@@ -224,10 +225,10 @@ def test_forwarded_ignores_x_forwarded_for_and_vice_versa() -> None:
 def test_forwarded_with_trusted_proxies() -> None:
     key = ClientIdentity(trusted_proxies=["10.0.0.0/8"], header="forwarded")
     header = 'for=1.1.1.1, for="[2001:db8::9]";proto=https, for=10.0.0.3'
-    assert key(scope(fwd(header))) == "2001:db8::9"
+    assert key(scope(fwd(header))) == "2001:db8::/64"
 
 
-# --- malformed headers fall back to the peer ------------------------------------------------
+# --- a trusted entry that cannot be read refuses the request -------------------------------
 
 
 @pytest.mark.parametrize(
@@ -248,68 +249,120 @@ def test_forwarded_with_trusted_proxies() -> None:
         ("forwarded", "for=1.1.1.1;secure", "bad parameter: 'secure'"),
     ],
 )
-def test_malformed_entry_falls_back_to_the_peer_with_a_warning(
-    caplog: pytest.LogCaptureFixture, header_name: Header, value: str, reason: str
-) -> None:
+def test_an_unreadable_trusted_entry_raises(header_name: Header, value: str, reason: str) -> None:
     key = ClientIdentity(trust_hops=1, header=header_name)
-    assert key(scope((header_name, value))) == "10.0.0.1"
-    [record] = warnings(caplog)
-    assert reason in record.getMessage()
-    assert header_name in record.getMessage()
+    with pytest.raises(ForwardingHeaderError) as excinfo:
+        key(scope((header_name, value)))
+    assert reason in str(excinfo.value)
+    assert header_name in str(excinfo.value)
 
 
-def test_malformed_entry_in_trusted_walk_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unreadable_entry_in_the_trusted_walk_raises() -> None:
     key = ClientIdentity(trusted_proxies=["10.0.0.0/8"])
-    assert key(scope(xff("1.1.1.1, unknown, 10.0.0.2"))) == "10.0.0.1"
+    with pytest.raises(ForwardingHeaderError, match="hop 2 from the right"):
+        key(scope(xff("1.1.1.1, unknown, 10.0.0.2")))
+
+
+@pytest.mark.parametrize("header_name", ["x-forwarded-for", "forwarded"])
+def test_padding_left_of_the_trusted_entries_changes_nothing(header_name: Header) -> None:
+    # The issue's attack: a client at 429 pads the header with junk. Only the
+    # proxy-appended right end is read, so its key stays its own.
+    entry = "for=2.2.2.2" if header_name == "forwarded" else "2.2.2.2"
+    key = ClientIdentity(trust_hops=1, header=header_name, max_hops=3, max_header_bytes=64)
+    for junk in ["x" * 10_000, "1.1.1.1, " * 1000, "garbage,,,", 'for="unbalanced']:
+        assert key(scope((header_name, junk), (header_name, entry))) == "2.2.2.2"
+        assert key(scope((header_name, f"{junk}, {entry}"))) == "2.2.2.2"
+
+
+def test_oversized_trusted_entries_raise() -> None:
+    key = ClientIdentity(trust_hops=2, max_header_bytes=15)
+    # "1.1.1.1,2.2.2.2" is 15 bytes: exactly at the limit is fine.
+    assert key(scope(xff("9" * 5000 + ",1.1.1.1"), xff("2.2.2.2"))) == "1.1.1.1"
+    with pytest.raises(ForwardingHeaderError, match="max_header_bytes=15"):
+        key(scope(xff("1.1.1.1"), xff("2.2.2.22")))
+
+
+def test_more_trusted_hops_than_max_hops_raise() -> None:
+    key = ClientIdentity(trusted_proxies=["10.0.0.0/8"], max_hops=3)
+    assert key(scope(xff("1.1.1.1, 10.0.0.3, 10.0.0.2"))) == "1.1.1.1"
+    assert key(scope(xff("10.0.0.4, 10.0.0.3, 10.0.0.2"))) == "10.0.0.4"
+    with pytest.raises(ForwardingHeaderError, match="more than max_hops=3"):
+        key(scope(xff("1.1.1.1, 10.0.0.4, 10.0.0.3, 10.0.0.2")))
+
+
+def test_the_message_does_not_echo_a_long_entry() -> None:
+    with pytest.raises(ForwardingHeaderError) as excinfo:
+        ClientIdentity(trust_hops=1)(scope(xff("x" * 3000)))
+    assert len(str(excinfo.value)) < 300
+
+
+# --- unix-socket proxies and exposure ---------------------------------------------------------
+
+
+def test_a_unix_socket_proxy_is_trusted_by_name() -> None:
+    named = ClientIdentity(trusted_proxies=["unix"])
+    assert named(scope(xff("1.2.3.4"), client=None)) == "1.2.3.4"
+    assert named(scope(client=None)) == "unknown"
+    # An address peer is not the unix socket: its headers mean nothing.
+    assert named(scope(xff("1.2.3.4"))) == "10.0.0.1"
+    both = ClientIdentity(trusted_proxies=["unix", "10.0.0.0/8"])
+    assert both(scope(xff("1.2.3.4, 10.0.0.7"), client=None)) == "1.2.3.4"
+    assert ClientIdentity(trusted_proxies=["10.0.0.0/8"])(scope(xff("1.2.3.4"), client=None)) == (
+        "unknown"
+    )
+
+
+def test_trust_hops_warns_once_when_reachable_beyond_loopback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = ClientIdentity(trust_hops=1)
+    exposed = {**scope(xff("1.2.3.4")), "server": ("192.0.2.10", 8000)}
+    assert key(exposed) == "1.2.3.4"
+    assert key(exposed) == "1.2.3.4"
     [record] = warnings(caplog)
-    assert "hop 2 from the right" in record.getMessage()
-
-
-def test_fallback_peer_is_normalized_and_grouped(caplog: pytest.LogCaptureFixture) -> None:
-    key = ClientIdentity(trust_hops=1, group_ipv6=True)
-    assert key(scope(xff("unknown"), client=("2001:db8:1:2::7", 1))) == "2001:db8:1:2::/64"
-    assert len(warnings(caplog)) == 1
-
-
-def test_oversized_header_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    key = ClientIdentity(trust_hops=1, max_header_bytes=15)
-    # "1.1.1.1,2.2.2.2" is 15 bytes joined: exactly at the limit is fine.
-    assert key(scope(xff("1.1.1.1"), xff("2.2.2.2"))) == "2.2.2.2"
+    assert "trust_hops=1 trusts whoever connects" in record.getMessage()
+    assert "192.0.2.10" in record.getMessage()
+    caplog.clear()
+    for quiet in (
+        ClientIdentity(trust_hops=1),
+        ClientIdentity(trusted_proxies=["192.0.2.0/24"]),
+        ClientIdentity(),
+    ):
+        quiet({**scope(), "server": ("127.0.0.1", 8000)})
+        if quiet is not key:
+            quiet({**scope(), "server": ("::1", 8000)})
+    ClientIdentity(trusted_proxies=["10.0.0.0/8"])(exposed)
+    ClientIdentity()(exposed)
+    ClientIdentity(trust_hops=1)({**scope(), "server": ("/run/app.sock", None)})
     assert warnings(caplog) == []
-    assert key(scope(xff("1.1.1.1"), xff("2.2.2.22"))) == "10.0.0.1"
-    [record] = warnings(caplog)
-    assert "max_header_bytes=15" in record.getMessage()
-
-
-def test_too_many_hops_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    key = ClientIdentity(trust_hops=1, max_hops=3)
-    assert key(scope(xff("1.1.1.1, 2.2.2.2, 3.3.3.3"))) == "3.3.3.3"
-    assert warnings(caplog) == []
-    assert key(scope(xff("1.1.1.1, 2.2.2.2, 3.3.3.3, 4.4.4.4"))) == "10.0.0.1"
-    [record] = warnings(caplog)
-    assert "4 hops, over max_hops=3" in record.getMessage()
-
-
-def test_warning_does_not_echo_a_long_entry(caplog: pytest.LogCaptureFixture) -> None:
-    ClientIdentity(trust_hops=1)(scope(xff("x" * 3000)))
-    [record] = warnings(caplog)
-    assert len(record.getMessage()) < 300
 
 
 # --- IPv6 grouping --------------------------------------------------------------------------
 
 
-def test_group_ipv6_keys_a_64() -> None:
-    grouped = ClientIdentity(group_ipv6=True)
-    assert grouped(scope(client=("2001:db8:1:2:3:4:5:6", 1))) == "2001:db8:1:2::/64"
-    assert grouped(scope(client=("2001:db8:1:2::9", 1))) == "2001:db8:1:2::/64"
-    assert grouped(scope(client=("10.0.0.1", 1))) == "10.0.0.1"
-    assert grouped(scope(client=("::ffff:10.0.0.1", 1))) == "10.0.0.1"
-    assert ClientIdentity()(scope(client=("2001:db8:1:2::9", 1))) == "2001:db8:1:2::9"
+def test_ipv6_clients_are_keyed_by_their_64_by_default() -> None:
+    key = ClientIdentity()
+    assert key(scope(client=("2001:db8:1:2:3:4:5:6", 1))) == "2001:db8:1:2::/64"
+    assert key(scope(client=("2001:db8:1:2::9", 1))) == "2001:db8:1:2::/64"
+    assert key(scope(client=("10.0.0.1", 1))) == "10.0.0.1"
+    assert key(scope(client=("::ffff:10.0.0.1", 1))) == "10.0.0.1"
+    assert ClientIdentity(ipv6_prefix=128)(scope(client=("2001:db8:1:2::9", 1))) == (
+        "2001:db8:1:2::9"
+    )
+    assert ClientIdentity(ipv6_prefix=48)(scope(client=("2001:db8:1:2::9", 1))) == (
+        "2001:db8:1::/48"
+    )
 
 
-def test_group_ipv6_applies_to_forwarded_clients() -> None:
-    key = ClientIdentity(trust_hops=1, group_ipv6=True)
+def test_nat64_addresses_are_keyed_by_their_ipv4() -> None:
+    key = ClientIdentity()
+    assert key(scope(client=("64:ff9b::c000:221", 1))) == "192.0.2.33"
+    assert key(scope(client=("64:ff9b::192.0.2.34", 1))) == "192.0.2.34"
+    assert ClientIdentity(trust_hops=1)(scope(xff("[64:ff9b::c633:6401]:80"))) == "198.51.100.1"
+
+
+def test_ipv6_grouping_applies_to_forwarded_clients() -> None:
+    key = ClientIdentity(trust_hops=1)
     assert key(scope(xff("[2001:db8:aa:bb:1::1]:443"))) == "2001:db8:aa:bb::/64"
     assert key(scope(xff("1.2.3.4"))) == "1.2.3.4"
 
@@ -327,7 +380,7 @@ def test_group_ipv6_applies_to_forwarded_clients() -> None:
         ({"trust_hops": -1}, "trust_hops must be >= 0, got -1"),
         (
             {"trusted_proxies": ["10.0.0.0/8", "10.0.0.300"]},
-            "trusted_proxies entry '10.0.0.300' is not an IP address or network",
+            "trusted_proxies entry '10.0.0.300' is not an IP address or network, or 'unix'",
         ),
         (
             {"trusted_proxies": "10.0.0.0/8"},
@@ -338,6 +391,8 @@ def test_group_ipv6_applies_to_forwarded_clients() -> None:
             "header must be 'x-forwarded-for' or 'forwarded', got 'x-real-ip'",
         ),
         ({"max_header_bytes": 0}, "max_header_bytes must be >= 1, got 0"),
+        ({"ipv6_prefix": 0}, "ipv6_prefix must be 1-128, got 0"),
+        ({"ipv6_prefix": 129}, "ipv6_prefix must be 1-128, got 129"),
         ({"max_hops": 0}, "max_hops must be >= 1, got 0"),
     ],
 )

@@ -13,6 +13,7 @@ def test_public_surface_is_pinned() -> None:
             "Clock",
             "ConfigurationError",
             "Durability",
+            "ForwardingHeaderError",
             "IdempotencyMiddleware",
             "IdempotencyRule",
             "KeyFunc",

@@ -214,3 +214,68 @@ async def test_concurrent_anonymous_clients_with_one_key_each_run(pool: KeyPool)
             await c.aclose()
     assert all("idempotent-replayed" not in r.headers for r in responses)
     assert orders.calls == 5
+
+
+# --- finding 4: forwarding headers padded by a client ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "mine", "padding"),
+    [
+        ("x-forwarded-for", "203.0.113.7", ["1.1.1.1, " * 600, "junk," * 40, "x" * 5000]),
+        (
+            "forwarded",
+            "for=203.0.113.7",
+            ["for=1.1.1.1, " * 400, 'for="unbalanced, ' * 10, "secure, " * 40],
+        ),
+    ],
+)
+async def test_padding_forwarding_headers_at_429_changes_nothing(
+    pool: KeyPool, header: str, mine: str, padding: list[str]
+) -> None:
+    orders = Orders()
+    identity = ClientIdentity(trust_hops=1, header=header)  # type: ignore[arg-type]
+    app = RateLimitMiddleware(orders, pool=pool, rules=Rule(Limit(2, 60)), key=identity)
+    async with client(app, "10.0.0.1") as via_proxy:  # every client arrives from the proxy
+        for _ in range(2):
+            assert (await via_proxy.get("/", headers={header: mine})).status_code == 201
+        for junk in padding:
+            # The proxy appends what it saw to whatever the client sent.
+            padded = await via_proxy.get("/", headers={header: f"{junk}, {mine}"})
+            assert padded.status_code == 429, junk[:40]
+        # Nothing was counted under the proxy's own key: an honest client is served.
+        honest = await via_proxy.get("/", headers={header: mine.replace("203.0.113.7", "10.9.9.9")})
+        assert honest.status_code == 201
+        assert (await via_proxy.get("/")).status_code == 201  # the proxy's key itself
+    assert orders.calls == 4
+
+
+async def test_an_unreadable_trusted_entry_is_a_400_problem(pool: KeyPool) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(
+        orders, pool=pool, rules=Rule(Limit(2, 60)), key=ClientIdentity(trust_hops=1)
+    )
+    async with client(app) as c:
+        r = await c.get("/", headers={"x-forwarded-for": "1.2.3.4, not-an-address"})
+    assert r.status_code == 400
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["cause"] == "forwarding"
+    assert "hop 1 from the right of the x-forwarded-for header" in r.json()["detail"]
+    assert orders.calls == 0
+
+
+# --- finding 5: IPv6 ------------------------------------------------------------------------
+
+
+async def test_a_host_rotating_addresses_in_its_64_is_limited(pool: KeyPool) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(orders, pool=pool, rules=Rule(Limit(2, 60)))
+    codes = []
+    for i in range(10):
+        async with client(app, f"2001:db8:1:2::{i + 1:x}") as c:
+            codes.append((await c.get("/")).status_code)
+    assert codes == [201, 201] + [429] * 8
+    async with client(app, "64:ff9b::c000:221") as nat64, client(app, "64:ff9b::c000:222") as other:
+        # Two IPv4 hosts behind one NAT64 gateway share a /64 but are two clients.
+        assert [(await nat64.get("/")).status_code for _ in range(2)] == [201, 201]
+        assert (await other.get("/")).status_code == 201

@@ -3,6 +3,7 @@
 from .clock import Clock, ManualClock, SystemClock
 from .errors import (
     ConfigurationError,
+    ForwardingHeaderError,
     PoolClosedError,
     PorchError,
     SaturatedError,
@@ -25,6 +26,7 @@ __all__ = [
     "Clock",
     "ConfigurationError",
     "Durability",
+    "ForwardingHeaderError",
     "IdempotencyMiddleware",
     "IdempotencyRule",
     "KeyFunc",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigurationError",
+    "ForwardingHeaderError",
     "PoolClosedError",
     "PorchError",
     "SaturatedError",
@@ -17,6 +18,10 @@ class PorchError(Exception):
 
 class ConfigurationError(PorchError, ValueError):
     """Raised when a porch object is constructed with an invalid setting."""
+
+
+class ForwardingHeaderError(PorchError):
+    """Raised when a forwarding header's trusted entries cannot be read; the request gets 400."""
 
 
 class SaturatedError(PorchError):

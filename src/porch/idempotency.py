@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from .errors import (
+    ConfigurationError,
+    ForwardingHeaderError,
+    PoolClosedError,
+    SaturatedError,
+    StoreError,
+)
 from .idempotency_keys import (
     CallerScope,
     InvalidKey,
@@ -187,7 +193,15 @@ class IdempotencyMiddleware:
             body,
             [(name, [v for k, v in headers if k == name]) for name in rule.digest_headers],
         )
-        scoped = f"{self._scope(scope)}\x1f{key}"
+        try:
+            caller = self._scope(scope)
+        except ForwardingHeaderError as exc:
+            logger.warning("porch: refused a request whose caller cannot be identified: %s", exc)
+            await problem(400, f"the client cannot be identified: {exc}", cause="forwarding")(
+                scope, receive, send
+            )
+            return
+        scoped = f"{caller}\x1f{key}"
         await self._keyed(scope, receive, send, scoped, digest, body)
 
     async def _read_body(self, receive: Receive) -> bytes | None:

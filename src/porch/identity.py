@@ -2,25 +2,33 @@
 
 By default the key is the connection's peer host and forwarding headers are
 ignored, because anyone can send them. Behind proxies, name them, either by
-count (``trust_hops``) or by network (``trusted_proxies``), and the key is the
-address the nearest untrusted hop was seen from.
+count (``trust_hops``) or by network (``trusted_proxies``; ``"unix"`` names a
+proxy on a unix socket), and the key is the address the nearest untrusted hop
+was seen from.
 
-Only the entries the walk has to read are validated: those are written by a
-trusted proxy. Entries further left are client-supplied; rejecting the request
-over them would let any client push itself onto the proxy's shared key.
-Anything wrong with an entry that is read falls back to the peer host with
-one warning; identifying a client never fails a request.
+Forwarding headers are read from the right, and only as far as the trusted
+proxies wrote them: whatever a client put further left is never read, so
+padding or garbage there changes nothing (it can neither pick a key nor push a
+client onto the proxy's). An entry that is read was written by a trusted proxy;
+if it cannot be read (not an address, over ``max_header_bytes``, more than
+``max_hops`` trusted hops), identifying the client fails with
+:class:`ForwardingHeaderError` and the middleware answers 400 — never a key
+the client chose or shares with the proxy.
+
+IPv6 clients are keyed by their /64 (``ipv6_prefix``), since one host commonly
+holds a whole /64; NAT64 addresses (``64:ff9b::/96``) by the IPv4 they embed.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 from ._types import Scope
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ForwardingHeaderError
 
 __all__ = ["ClientIdentity", "KeyFunc"]
 
@@ -33,12 +41,11 @@ _log = logging.getLogger("porch.identity")
 
 _HEADERS = ("x-forwarded-for", "forwarded")
 _UNKNOWN = "unknown"
-# Enough of a bad entry to recognise it; the rest could be kilobytes of client text.
+_UNIX = "unix"
+# The well-known NAT64 prefix (RFC 6052): the client is the IPv4 in the last 32 bits.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+# Enough of a bad entry to recognise it; the rest could be kilobytes of text.
 _SHOW_CHARS = 64
-
-
-class _Untrusted(Exception):
-    """A forwarding header that cannot be read; the message says why."""
 
 
 class ClientIdentity:
@@ -46,29 +53,36 @@ class ClientIdentity:
     proxies.
 
     ``trust_hops``: how many proxies in front of the app append to the header (the
-    peer is the nearest). ``trusted_proxies``: the networks proxies connect from.
-    ``max_hops`` bounds the header's entries, not counting the peer. Without either
-    setting the peer host is used as the server reports it; with one, it is
-    normalized like every forwarded address.
+    peer is the nearest). ``trusted_proxies``: the networks proxies connect from,
+    and ``"unix"`` for a proxy connecting over a unix socket (no peer address).
+    ``max_hops`` bounds how many trusted entries are walked and ``max_header_bytes``
+    the bytes of the entries read. ``ipv6_prefix`` groups IPv6 clients (128: one
+    key per address).
     """
 
     __slots__ = (
-        "_group_ipv6",
+        "_checked",
         "_header",
         "_header_name",
+        "_ipv6_shift",
         "_max_header_bytes",
         "_max_hops",
+        "_prefix",
         "_trust_hops",
+        "_trust_unix",
         "_trusted",
         "_walks",
     )
 
-    _group_ipv6: bool
+    _checked: list[bool]
     _header: str
     _header_name: bytes
+    _ipv6_shift: int
     _max_header_bytes: int
     _max_hops: int
+    _prefix: int
     _trust_hops: int
+    _trust_unix: bool
     _trusted: tuple[_IPNetwork, ...]
     _walks: bool
 
@@ -78,7 +92,7 @@ class ClientIdentity:
         trust_hops: int = 0,
         trusted_proxies: Sequence[str] = (),
         header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for",
-        group_ipv6: bool = False,
+        ipv6_prefix: int = 64,
         max_header_bytes: int = 4096,
         max_hops: int = 32,
     ) -> None:
@@ -93,27 +107,37 @@ class ClientIdentity:
             raise ConfigurationError(
                 f"header must be 'x-forwarded-for' or 'forwarded', got {header!r}"
             )
+        if isinstance(ipv6_prefix, bool) or not 1 <= ipv6_prefix <= 128:
+            raise ConfigurationError(f"ipv6_prefix must be 1-128, got {ipv6_prefix}")
         if max_header_bytes < 1:
             raise ConfigurationError(f"max_header_bytes must be >= 1, got {max_header_bytes}")
         if max_hops < 1:
             raise ConfigurationError(f"max_hops must be >= 1, got {max_hops}")
         trusted: list[_IPNetwork] = []
+        trust_unix = False
         for entry in trusted_proxies:
+            if entry.strip().lower() == _UNIX:
+                trust_unix = True
+                continue
             try:
                 trusted.append(ipaddress.ip_network(entry.strip(), strict=False))
             except ValueError:
                 raise ConfigurationError(
-                    f"trusted_proxies entry {entry!r} is not an IP address or network"
+                    f"trusted_proxies entry {entry!r} is not an IP address or network, or 'unix'"
                 ) from None
         init = object.__setattr__
         init(self, "_trust_hops", trust_hops)
         init(self, "_trusted", tuple(trusted))
-        init(self, "_walks", trust_hops > 0 or bool(trusted))
+        init(self, "_trust_unix", trust_unix)
+        init(self, "_walks", trust_hops > 0 or bool(trusted) or trust_unix)
         init(self, "_header", header)
         init(self, "_header_name", header.encode("ascii"))
-        init(self, "_group_ipv6", group_ipv6)
+        init(self, "_prefix", ipv6_prefix)
+        init(self, "_ipv6_shift", 128 - ipv6_prefix)
         init(self, "_max_header_bytes", max_header_bytes)
         init(self, "_max_hops", max_hops)
+        # Whether the exposure of a trust_hops server was checked (once, on the first request).
+        init(self, "_checked", [trust_hops == 0])
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -122,80 +146,112 @@ class ClientIdentity:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __call__(self, scope: Scope) -> str:
+        """The client key; raises ForwardingHeaderError if a trusted entry cannot be read."""
         if self._walks:
+            if not self._checked[0]:
+                self._check_exposure(scope)
             return self._forwarded_key(scope)
-        # The hot path: no header scan and no parsing unless IPv6 grouping needs it.
+        # The hot path: an IPv4 peer is used as the server reports it, unparsed.
         client = scope.get("client")
         if client is None:
             return _UNKNOWN
         host: str = client[0]
-        if self._group_ipv6 and ":" in host:
+        if ":" in host:
             return self._peer_key(host)
         return host
+
+    def _check_exposure(self, scope: Scope) -> None:
+        self._checked[0] = True
+        # The address this connection reached the server on. A server listening on
+        # every address but reached over loopback by its proxy is not caught here.
+        server = scope.get("server")
+        host = server[0] if server else None
+        ip = _parse_ip(host) if isinstance(host, str) else None
+        if ip is not None and not ip.is_loopback:
+            _log.warning(
+                "trust_hops=%d trusts whoever connects, and this server is reachable on %s: "
+                "a client connecting directly names its own key in %s. Name the proxies with "
+                "trusted_proxies, or listen on loopback or a unix socket",
+                self._trust_hops,
+                ip,
+                self._header,
+            )
 
     def _forwarded_key(self, scope: Scope) -> str:
         client = scope.get("client")
         peer: str | None = None if client is None else client[0]
-        try:
-            if self._trusted:
-                return self._walk_trusted(scope, peer)
+        if self._trust_hops:
             return self._walk_hops(scope, peer)
-        except _Untrusted as exc:
-            key = self._peer_key(peer)
-            _log.warning("ignoring the %s header: %s; using the peer %r", self._header, exc, key)
-            return key
+        return self._walk_trusted(scope, peer)
 
     def _walk_hops(self, scope: Scope, peer: str | None) -> str:
-        entries = self._entries(scope)
-        # chain = entries + [peer]; the client is chain[-(hops + 1)], or chain[0] if short.
+        # The client is the entry trust_hops from the right (the leftmost there is, if the
+        # chain is shorter); the entries between it and the peer are proxies.
+        entries = list(itertools.islice(self._from_right(scope), self._trust_hops))
         if not entries:
             return self._peer_key(peer)
-        index = max(len(entries) - self._trust_hops, 0)
-        return self._key(self._parse(entries[index], len(entries) - index))
+        return self._key(self._parse(entries[-1], len(entries)))
 
     def _walk_trusted(self, scope: Scope, peer: str | None) -> str:
-        peer_ip = None if peer is None else _parse_ip(peer)
-        # An untrusted peer wrote the headers itself: they mean nothing.
-        if peer_ip is None or not self._is_trusted(peer_ip):
-            return self._peer_key(peer)
-        ip = peer_ip
-        entries = self._entries(scope)
-        for hop, entry in enumerate(reversed(entries), start=1):
+        ip: _IPAddress | None = None
+        if not peer:
+            # No peer address: a unix socket, trusted only when named.
+            if not self._trust_unix:
+                return _UNKNOWN
+        else:
+            ip = _parse_ip(peer)
+            # An untrusted peer wrote the headers itself: they mean nothing.
+            if ip is None or not self._is_trusted(ip):
+                return self._peer_key(peer)
+        for hop, entry in enumerate(self._from_right(scope), start=1):
+            if hop > self._max_hops:
+                raise ForwardingHeaderError(
+                    f"the {self._header} header has more than max_hops={self._max_hops} "
+                    "trusted hops"
+                )
             ip = self._parse(entry, hop)
             if not self._is_trusted(ip):
                 return self._key(ip)
-        return self._key(ip)
+        return _UNKNOWN if ip is None else self._key(ip)
 
     def _is_trusted(self, ip: _IPAddress) -> bool:
         # Cross-version membership is simply False, so one list serves both families.
         return any(ip in network for network in self._trusted)
 
-    def _entries(self, scope: Scope) -> list[str]:
-        """The header's hops, left to right, unparsed."""
-        values: list[bytes] = []
-        size = -1
-        for name, value in scope.get("headers", ()):
-            if name == self._header_name:
-                values.append(value)
-                size += len(value) + 1
-                # Checked while collecting, so a flood of header lines costs no join.
-                if size > self._max_header_bytes:
-                    raise _Untrusted(f"it is over max_header_bytes={self._max_header_bytes}")
-        if not values:
-            return []
-        # Splitting on every comma, quoted or not, keeps the proxy-appended right end
-        # readable whatever a client put on the left (no for= value contains a comma).
-        entries = b",".join(values).decode("latin-1").split(",")
-        if len(entries) > self._max_hops:
-            raise _Untrusted(f"it has {len(entries)} hops, over max_hops={self._max_hops}")
-        return entries
+    def _from_right(self, scope: Scope) -> Iterator[str]:
+        """The header's hops, right to left, unparsed, split off only as far as they are read.
+
+        The text left of what a walk reads (a client's) is neither split nor counted
+        against the limits.
+        """
+        values = [value for name, value in scope.get("headers", ()) if name == self._header_name]
+        size = 0
+        for value in reversed(values):
+            end = len(value)
+            while True:
+                # Splitting on every comma, quoted or not, keeps the proxy-appended right end
+                # readable whatever a client put on the left (no for= value holds a comma).
+                start = value.rfind(b",", 0, end) + 1
+                size += end - start + 1
+                if size > self._max_header_bytes + 1:
+                    raise ForwardingHeaderError(
+                        f"the trusted entries of the {self._header} header are over "
+                        f"max_header_bytes={self._max_header_bytes}"
+                    )
+                yield value[start:end].decode("latin-1")
+                if start == 0:
+                    break
+                end = start - 1
 
     def _parse(self, entry: str, hop: int) -> _IPAddress:
-        """The address in one entry; ``hop`` counts from the right, for the warning."""
+        """The address in one entry; ``hop`` counts from the right, for the message."""
         node = _for_node(entry, hop) if self._header == "forwarded" else entry.strip()
         ip = _parse_ip(_strip_port(node))
         if ip is None:
-            raise _Untrusted(f"hop {hop} from the right is not an IP address: {_show(node)}")
+            raise ForwardingHeaderError(
+                f"hop {hop} from the right of the {self._header} header is not an IP address: "
+                f"{_show(node)}"
+            )
         return ip
 
     def _peer_key(self, peer: str | None) -> str:
@@ -206,9 +262,13 @@ class ClientIdentity:
         return peer if ip is None else self._key(ip)
 
     def _key(self, ip: _IPAddress) -> str:
-        if self._group_ipv6 and ip.version == 6:
-            # One host commonly holds a whole /64; counting each address would not limit it.
-            return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+        if ip.version == 6:
+            if ip in _NAT64:
+                # A NAT64 gateway: the client is the IPv4 host embedded in the address.
+                return str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+            if self._ipv6_shift:
+                shift = self._ipv6_shift
+                return str(ipaddress.IPv6Network((int(ip) >> shift << shift, self._prefix)))
         return str(ip)
 
 
@@ -230,14 +290,21 @@ def _for_node(element: str, hop: int) -> str:
     for pair in element.split(";"):
         name, eq, value = pair.partition("=")
         if not eq:
-            raise _Untrusted(f"hop {hop} from the right has a bad parameter: {_show(pair)}")
+            raise ForwardingHeaderError(
+                f"hop {hop} from the right of the forwarded header has a bad parameter: "
+                f"{_show(pair)}"
+            )
         if name.strip().lower() != "for":
             continue
         if node is not None:
-            raise _Untrusted(f"hop {hop} from the right has more than one for=")
+            raise ForwardingHeaderError(
+                f"hop {hop} from the right of the forwarded header has more than one for="
+            )
         node = value.strip()
     if node is None:
-        raise _Untrusted(f"hop {hop} from the right has no for=: {_show(element)}")
+        raise ForwardingHeaderError(
+            f"hop {hop} from the right of the forwarded header has no for=: {_show(element)}"
+        )
     if len(node) >= 2 and node[0] == node[-1] == '"':
         node = node[1:-1]
     return node

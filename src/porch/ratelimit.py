@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 from ._asgi import adding_headers, pass_through
 from ._types import ASGIApp, Receive, Scope, Send
-from .errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
+from .errors import (
+    ConfigurationError,
+    ForwardingHeaderError,
+    PoolClosedError,
+    SaturatedError,
+    StoreError,
+)
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
 from .responses import problem
@@ -61,6 +67,12 @@ def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
             for p in refusal.violated
         ],
     )
+
+
+def _bad_forwarding(exc: ForwardingHeaderError) -> ASGIApp:
+    """400 for a request whose client cannot be identified: never a key it could choose."""
+    logger.warning("porch: refused a request whose client cannot be identified: %s", exc)
+    return problem(400, f"the client cannot be identified: {exc}", cause="forwarding")
 
 
 class _HitCall(Call):
@@ -178,7 +190,11 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
 
-        client = self._key(scope)
+        try:
+            client = self._key(scope)
+        except ForwardingHeaderError as exc:
+            await _bad_forwarding(exc)(scope, receive, send)
+            return
         pool = self.pool
         prefixes = compiled.prefixes
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
