@@ -26,6 +26,7 @@ def test_public_surface_is_pinned() -> None:
             "PoolClosedError",
             "PoolStatistics",
             "PorchError",
+            "PorchMetrics",
             "RateLimitMiddleware",
             "Refusal",
             "RefusalFactory",

@@ -13,6 +13,7 @@ from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .idempotency_keys import CallerScope, ScopeFunc, authorization_scope
 from .identity import ClientIdentity, KeyFunc
 from .mailbox import Mailbox, MailboxStatistics
+from .metrics import PorchMetrics
 from .pool import KeyPool, PoolStatistics
 from .ratelimit import PolicyState, RateLimitMiddleware, Refusal, RefusalFactory
 from .rules import Limit, Rule
@@ -39,6 +40,7 @@ __all__ = [
     "PoolClosedError",
     "PoolStatistics",
     "PorchError",
+    "PorchMetrics",
     "RateLimitMiddleware",
     "Refusal",
     "RefusalFactory",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from .errors import ConfigurationError
@@ -85,24 +87,33 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"porch demo: {exc}", file=sys.stderr)
         return 2
     os.environ[CONFIG_ENV] = config.to_env()
+    metrics_dir = None
+    if config.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Every worker writes its metrics here; GET /metrics on any of them sums them all.
+        metrics_dir = tempfile.mkdtemp(prefix="porch-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     print(
         f"porch demo serving on http://{config.host}:{config.port} "
         f"(data in {os.path.abspath(config.data_dir)}, limit {config.limit} per "
         f"{config.window:g}s per client)",
         flush=True,
     )
-    uvicorn.run(
-        "porch.demo:create_app_from_env",
-        factory=True,
-        host=config.host,
-        port=config.port,
-        workers=config.workers if config.workers > 1 else None,
-        log_level="warning",
-        access_log=False,
-        # uvicorn would otherwise rewrite the peer address from X-Forwarded-For
-        # for loopback connections: who to trust is --trust-proxy-hops' decision.
-        proxy_headers=False,
-    )
+    try:
+        uvicorn.run(
+            "porch.demo:create_app_from_env",
+            factory=True,
+            host=config.host,
+            port=config.port,
+            workers=config.workers if config.workers > 1 else None,
+            log_level="warning",
+            access_log=False,
+            # uvicorn would otherwise rewrite the peer address from X-Forwarded-For
+            # for loopback connections: who to trust is --trust-proxy-hops' decision.
+            proxy_headers=False,
+        )
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 

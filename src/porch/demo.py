@@ -31,6 +31,7 @@ from .errors import ConfigurationError
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .idempotency_keys import CallerScope
 from .identity import ClientIdentity
+from .metrics import PorchMetrics
 from .pool import KeyPool
 from .ratelimit import RateLimitMiddleware
 from .responses import problem
@@ -270,9 +271,12 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         yield
         orders.close()
 
+    metrics = PorchMetrics()
     app = Starlette(
         routes=[
             Route("/health", health),
+            # Prometheus text format; with --workers N, the sum over every worker.
+            Route("/metrics", metrics.asgi_app()),
             Route("/products", products),
             Route("/orders", create_order, methods=["POST"]),
             Route("/orders", list_orders, methods=["GET"]),
@@ -280,7 +284,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         lifespan=lifespan,
     )
     store = SQLiteStore(data, durability=config.durability)
-    pool = KeyPool(store, size=config.pool_size, mailbox=config.mailbox)
+    pool = KeyPool(store, size=config.pool_size, mailbox=config.mailbox, metrics=metrics)
     # One identity for both: an anonymous caller's keys are scoped to the client the
     # limiter counts, so no two clients see each other's keys.
     identity = ClientIdentity(trust_hops=config.trust_proxy_hops)
@@ -298,7 +302,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         pool=pool,
         rules=Rule(Limit(config.limit, config.window, name="demo")),
         key=identity,
-        exempt=("/health",),
+        exempt=("/health", "/metrics"),
     )
     app.state.pool = pool
     # A declared body over the cap is refused before anything reads or counts it.

@@ -24,6 +24,7 @@ from .errors import (
     SaturatedError,
     StoreError,
 )
+from .eventlog import EventLog
 from .idempotency_keys import (
     CallerScope,
     InvalidKey,
@@ -144,6 +145,37 @@ class IdempotencyMiddleware:
         self.max_body = max_body
         self.max_stored = max_stored
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
+        # Refusals and 503s are logged, throttled per caller scope and outcome.
+        self._log = EventLog(logger)
+        metrics = pool.metrics
+        self._outcomes = metrics.idempotency if metrics is not None else None
+        self._causes = metrics.causes if metrics is not None else None
+
+    def _event(
+        self, scope: Scope, outcome: str, status: int, level: int, message: str, *args: object
+    ) -> None:
+        """Count ``outcome`` and log it (at most once a second per caller scope and outcome)."""
+        if self._outcomes is not None and outcome in self._outcomes:
+            self._outcomes[outcome].inc()
+        if self._causes is not None and outcome in self._causes:
+            self._causes[outcome].inc()
+        try:
+            caller = self._scope(scope)
+        except ForwardingHeaderError:
+            caller = "unidentified"
+        self._log.event(
+            level,
+            (outcome, caller),
+            asyncio.get_running_loop().time(),
+            1.0,
+            message,
+            *args,
+            scope=caller,
+            outcome=outcome,
+            cause=outcome if status == 503 else None,
+            status=status,
+            path=scope.get("path"),
+        )
 
     def _select(self, method: str, path: str) -> IdempotencyRule | None:
         for rule in self._rules:
@@ -162,6 +194,13 @@ class IdempotencyMiddleware:
         values = [v for k, v in scope["headers"] if k == b"idempotency-key"]
         if not values:
             if rule.required:
+                self._event(
+                    scope,
+                    "invalid",
+                    400,
+                    logging.INFO,
+                    "porch: refused a request without an Idempotency-Key (400)",
+                )
                 await problem(400, "this endpoint requires an Idempotency-Key header")(
                     scope, receive, send
                 )
@@ -171,14 +210,28 @@ class IdempotencyMiddleware:
         try:
             key = parse_key(values)
         except InvalidKey as exc:
-            logger.info("porch: refused an invalid Idempotency-Key: %s", exc)
+            self._event(
+                scope,
+                "invalid",
+                400,
+                logging.INFO,
+                "porch: refused an invalid Idempotency-Key: %s",
+                exc,
+            )
             await problem(400, str(exc))(scope, receive, send)
             return
 
         try:
             body = await self._read_body(receive)
         except _BodyTooLarge:
-            logger.info("porch: refused a keyed body over max_body=%d bytes (413)", self.max_body)
+            self._event(
+                scope,
+                "too_large",
+                413,
+                logging.INFO,
+                "porch: refused a keyed body over max_body=%d bytes (413)",
+                self.max_body,
+            )
             await problem(413, f"a keyed request body may be at most {self.max_body} bytes")(
                 scope, receive, send
             )
@@ -196,7 +249,14 @@ class IdempotencyMiddleware:
         try:
             caller = self._scope(scope)
         except ForwardingHeaderError as exc:
-            logger.warning("porch: refused a request whose caller cannot be identified: %s", exc)
+            self._event(
+                scope,
+                "invalid",
+                400,
+                logging.WARNING,
+                "porch: refused a request whose caller cannot be identified: %s",
+                exc,
+            )
             await problem(400, f"the client cannot be identified: {exc}", cause="forwarding")(
                 scope, receive, send
             )
@@ -232,7 +292,14 @@ class IdempotencyMiddleware:
             pool.submit(key, Acquire(future, key, digest, self.wait_timeout))
             outcome = await future
         except TimeoutError:
-            logger.info("porch: a duplicate waited %.1f s for its owner; 409", self.wait_timeout)
+            self._event(
+                scope,
+                "conflict",
+                409,
+                logging.INFO,
+                "porch: a duplicate waited %.1f s for its owner; 409",
+                self.wait_timeout,
+            )
             await problem(
                 409,
                 "a request with this Idempotency-Key is still being processed; retry later",
@@ -240,26 +307,51 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
         except SaturatedError as exc:
-            logger.warning("porch: idempotency saturated (%s); answering 503", exc)
+            self._event(
+                scope,
+                "saturated",
+                503,
+                logging.WARNING,
+                "porch: idempotency saturated (%s); answering 503",
+                exc,
+            )
             await problem(
                 503, f"idempotency saturated: {exc}", cause="saturated", headers=self._retry_after
             )(scope, receive, send)
             return
         except (StoreError, PoolClosedError) as exc:
-            logger.error("porch: idempotency store failed (%s); answering 503", exc)
+            self._event(
+                scope,
+                "store",
+                503,
+                logging.ERROR,
+                "porch: idempotency store failed (%s); answering 503",
+                exc,
+            )
             await problem(
                 503, "idempotency store unavailable", cause="store", headers=self._retry_after
             )(scope, receive, send)
             return
 
+        outcomes = self._outcomes
         if isinstance(outcome, StoredResponse):
+            if outcomes is not None:
+                outcomes["replayed"].inc()
             await _replay(outcome)(scope, receive, send)
         elif isinstance(outcome, Mismatch):
-            logger.info("porch: an Idempotency-Key was reused for a different request (422)")
+            self._event(
+                scope,
+                "mismatch",
+                422,
+                logging.INFO,
+                "porch: an Idempotency-Key was reused for a different request (422)",
+            )
             await problem(422, "this Idempotency-Key was used for a different request")(
                 scope, receive, send
             )
         elif outcome is OWNER:
+            if outcomes is not None:
+                outcomes["executed"].inc()
             await self._run_owner(scope, receive, send, key, digest, body)
 
     async def _run_owner(

@@ -106,6 +106,10 @@ class Mailbox(Generic[T]):
                 waiter.set_result(None)
         return left
 
+    def __len__(self) -> int:
+        """Items queued now."""
+        return len(self._items)
+
     def statistics(self) -> MailboxStatistics:
         return MailboxStatistics(
             capacity=self._capacity,

@@ -18,6 +18,7 @@ from .errors import ConfigurationError, PoolClosedError, StoreError
 from .mailbox import Mailbox, MailboxStatistics
 
 if TYPE_CHECKING:
+    from .metrics import PorchMetrics
     from .store.base import Store, StoreOp, StoreStatistics
 
 __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
@@ -63,12 +64,15 @@ class Call:
 class Shard:
     """One actor of the pool: its mailbox, its task, and volatile per-key state."""
 
-    __slots__ = ("_task", "index", "mailbox", "parked", "store")
+    __slots__ = ("_task", "index", "mailbox", "metrics", "parked", "store")
 
-    def __init__(self, index: int, capacity: int, store: Store) -> None:
+    def __init__(
+        self, index: int, capacity: int, store: Store, metrics: PorchMetrics | None = None
+    ) -> None:
         self.index = index
         self.mailbox: Mailbox[Call] = Mailbox(capacity, index=index)
         self.store = store
+        self.metrics = metrics
         # Volatile per-key state (idempotency owners and their parked waiters).
         # It is lost with the process, which is the point: a crash never wedges a key.
         self.parked: dict[str, Parked] = {}
@@ -79,9 +83,15 @@ class Shard:
             self._run(), name=f"porch-shard-{self.index}"
         )
 
+    def waiters(self) -> int:
+        """Calls parked behind a running owner in this shard (read for metrics only)."""
+        return sum(len(getattr(state, "waiters", ())) for state in self.parked.values())
+
     async def _run(self) -> None:
         receive = self.mailbox.receive_batch
         apply = self.store.apply
+        metrics = self.metrics
+        clock = asyncio.get_running_loop().time
         while True:
             batch = await receive()
             if not batch:
@@ -91,7 +101,12 @@ class Shard:
                 for call in batch:
                     call.prepare(self, ops)
                 if ops:
-                    await apply(ops)
+                    if metrics is None:
+                        await apply(ops)
+                    else:
+                        started = clock()
+                        await apply(ops)
+                        metrics.committed(clock() - started, len(ops))
             except Exception as exc:  # the actor must outlive any failure
                 error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
                 if error is not exc:
@@ -104,6 +119,8 @@ class Shard:
                     call.finish(self)
                 except Exception:  # a bug in one reply must not strand the others
                     logger.exception("porch shard %d: a reply failed", self.index)
+            if metrics is not None and metrics.multiprocess:
+                metrics.shard_state(self.index, len(self.mailbox), self.waiters())
 
     async def close(self) -> None:
         closed = PoolClosedError("the key pool closed before this call was answered")
@@ -140,16 +157,27 @@ class PoolStatistics:
 class KeyPool:
     """N shard actors over one store. Start it on the event loop that will use it."""
 
-    __slots__ = ("_failed", "_lock", "_shards", "_size", "_started", "store")
+    __slots__ = ("_failed", "_lock", "_shards", "_size", "_started", "metrics", "store")
 
-    def __init__(self, store: Store, *, size: int = 4, mailbox: int = 1024) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        size: int = 4,
+        mailbox: int = 1024,
+        metrics: PorchMetrics | None = None,
+    ) -> None:
         if size < 1:
             raise ConfigurationError(f"pool size must be >= 1, got {size}")
         if mailbox < 1:
             raise ConfigurationError(f"mailbox capacity must be >= 1, got {mailbox}")
         self.store = store
+        # The middlewares using this pool report into the same metrics.
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self)
         self._size = size
-        self._shards = tuple(Shard(i, mailbox, store) for i in range(size))
+        self._shards = tuple(Shard(i, mailbox, store, metrics) for i in range(size))
         self._started = False
         self._lock: asyncio.Lock | None = None
         self._failed: tuple[float, StoreError] | None = None
@@ -188,7 +216,9 @@ class KeyPool:
             if any(s.mailbox.statistics().closed for s in self._shards):
                 # Started again after close(): fresh actors (and statistics).
                 capacity = self._shards[0].mailbox.statistics().capacity
-                self._shards = tuple(Shard(i, capacity, self.store) for i in range(self._size))
+                self._shards = tuple(
+                    Shard(i, capacity, self.store, self.metrics) for i in range(self._size)
+                )
             for shard in self._shards:
                 shard.start()
             self._started = True
@@ -213,6 +243,10 @@ class KeyPool:
             raise PoolClosedError("the key pool is not running")
         shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
         shard.mailbox.send_nowait(call, force=must_deliver)
+
+    def shard_load(self) -> list[tuple[int, int]]:
+        """Per shard: operations queued in its mailbox, and calls parked behind an owner."""
+        return [(len(s.mailbox), s.waiters()) for s in self._shards]
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(

@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ._asgi import adding_headers, pass_through
 from ._types import ASGIApp, Receive, Scope, Send
@@ -23,6 +24,7 @@ from .errors import (
     SaturatedError,
     StoreError,
 )
+from .eventlog import EventLog
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
 from .responses import problem
@@ -71,7 +73,6 @@ def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
 
 def _bad_forwarding(exc: ForwardingHeaderError) -> ASGIApp:
     """400 for a request whose client cannot be identified: never a key it could choose."""
-    logger.warning("porch: refused a request whose client cannot be identified: %s", exc)
     return problem(400, f"the client cannot be identified: {exc}", cause="forwarding")
 
 
@@ -95,6 +96,7 @@ class _CompiledRule:
 
     __slots__ = (
         "amounts",
+        "counters",
         "limit_bytes",
         "limits",
         "names",
@@ -107,6 +109,8 @@ class _CompiledRule:
 
     def __init__(self, rule: Rule) -> None:
         self.rule = rule
+        # (allowed, refused) metric counters, bound once when metrics are configured.
+        self.counters: tuple[Any, Any] | None = None
         self.limits: tuple[Limit, ...] = rule.limits
         self.amounts = tuple(limit.amount for limit in rule.limits)
         self.windows = tuple(float(limit.window) for limit in rule.limits)
@@ -170,6 +174,13 @@ class RateLimitMiddleware:
         self.fail_open = fail_open
         self._on_refused = on_refused
         self._saturated_retry = str(retry_after_saturated).encode("ascii")
+        # Refusals and 503s are logged, throttled per client and rule (see EventLog).
+        self._log = EventLog(logger)
+        metrics = pool.metrics
+        self._causes = metrics.causes if metrics is not None else None
+        if metrics is not None:
+            for compiled in self._rules:
+                compiled.counters = metrics.ratelimit(compiled.rule.name)
 
     def _select(self, scope: Scope) -> _CompiledRule | None:
         path: str = scope["path"]
@@ -193,6 +204,18 @@ class RateLimitMiddleware:
         try:
             client = self._key(scope)
         except ForwardingHeaderError as exc:
+            # Throttled like every refusal: a flood of forged headers is one line a second.
+            self._log.event(
+                logging.WARNING,
+                ("forwarding",),
+                asyncio.get_running_loop().time(),
+                1.0,
+                "porch: refused a request whose client cannot be identified: %s",
+                exc,
+                rule=compiled.rule.name,
+                outcome="unidentified",
+                status=400,
+            )
             await _bad_forwarding(exc)(scope, receive, send)
             return
         pool = self.pool
@@ -206,7 +229,7 @@ class RateLimitMiddleware:
             pool.submit(client, _HitCall(future, hit))
             await future
         except SaturatedError as exc:
-            logger.warning("porch: rate limiter saturated (%s); answering 503", exc)
+            self._unavailable("saturated", exc, client, compiled, exc.shard)
             await problem(
                 503,
                 f"rate limiter saturated: {exc}",
@@ -215,11 +238,10 @@ class RateLimitMiddleware:
             )(scope, receive, send)
             return
         except (StoreError, PoolClosedError) as exc:
+            self._unavailable("store", exc, client, compiled, None)
             if self.fail_open:
-                logger.error("porch: rate limit store failed (%s); fail_open lets it through", exc)
                 await self.app(scope, receive, send)
                 return
-            logger.error("porch: rate limit store failed (%s); answering 503", exc)
             await problem(
                 503,
                 "rate limit store unavailable",
@@ -229,11 +251,68 @@ class RateLimitMiddleware:
             return
 
         headers, refusal = _decide(compiled, hit, client)
-        if refusal is not None and not self.dry_run:
-            response = self._on_refused(scope, refusal)
-            await response(scope, receive, adding_headers(send, headers))
-            return
+        counters = compiled.counters
+        if refusal is not None:
+            if counters is not None:
+                counters[1].inc()
+            self._log_refusal(compiled, refusal)
+            if not self.dry_run:
+                response = self._on_refused(scope, refusal)
+                await response(scope, receive, adding_headers(send, headers))
+                return
+        elif counters is not None:
+            counters[0].inc()
         await self.app(scope, receive, adding_headers(send, headers))
+
+    def _log_refusal(self, compiled: _CompiledRule, refusal: Refusal) -> None:
+        rule = compiled.rule.name
+        # Once per client and rule until its window ends: a flood of 429s is one line.
+        self._log.event(
+            logging.WARNING,
+            (refusal.key, rule),
+            asyncio.get_running_loop().time(),
+            refusal.retry_after,
+            "porch: %s client %r on rule %r (429, retry in %d s)",
+            "counted (dry run)" if self.dry_run else "refused",
+            refusal.key,
+            rule,
+            refusal.retry_after,
+            client=refusal.key,
+            rule=rule,
+            outcome="dry_run" if self.dry_run else "refused",
+            status=429,
+            policies=[p.name for p in refusal.violated],
+            retry_after=refusal.retry_after,
+        )
+
+    def _unavailable(
+        self,
+        cause: str,
+        exc: Exception,
+        client: str,
+        compiled: _CompiledRule,
+        shard: int | None,
+    ) -> None:
+        if self._causes is not None and not (cause == "store" and self.fail_open):
+            self._causes[cause].inc()
+        passed = cause == "store" and self.fail_open
+        # At most once a second per shard (saturation) or per cause (store).
+        self._log.event(
+            logging.WARNING if cause == "saturated" else logging.ERROR,
+            (cause, shard),
+            asyncio.get_running_loop().time(),
+            1.0,
+            "porch: %s (%s); %s",
+            "rate limiter saturated" if cause == "saturated" else "rate limit store failed",
+            exc,
+            "fail_open lets it through uncounted" if passed else "answering 503",
+            client=client,
+            rule=compiled.rule.name,
+            outcome="passed" if passed else "unavailable",
+            cause=cause,
+            status=None if passed else 503,
+            shard=shard,
+        )
 
 
 def _decide(

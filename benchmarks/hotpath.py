@@ -1,0 +1,81 @@
+"""In-process cost of the limiter's hot path, with metrics off and on.
+
+    python benchmarks/hotpath.py [--requests 20000] [--rounds 5]
+
+Drives ``RateLimitMiddleware`` over a real SQLite pool with raw ASGI calls (no
+server, no HTTP parsing), 64 concurrent requests at a time from 64 clients, and
+reports wall-clock microseconds per request: the best of ``--rounds`` rounds,
+without metrics and with a ``PorchMetrics``. Runs against whatever ``porch`` is
+importable (``PYTHONPATH=other/src`` measures another checkout; ``--no-metrics``
+for a checkout without ``porch.metrics``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from typing import Any
+
+from porch import KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _round(requests: int, with_metrics: bool) -> float:
+    metrics = None
+    if with_metrics:
+        from porch.metrics import PorchMetrics
+
+        metrics = PorchMetrics()
+    with tempfile.TemporaryDirectory() as data:
+        kwargs: dict[str, Any] = {"metrics": metrics} if metrics is not None else {}
+        pool = KeyPool(SQLiteStore(data), size=4, **kwargs)
+        await pool.start()
+        app = RateLimitMiddleware(_app, pool=pool, rules=Rule(Limit(10**9, 3600)))
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            return None
+
+        def scope(n: int) -> dict[str, Any]:
+            return {
+                "type": "http",
+                "method": "GET",
+                "path": "/x",
+                "headers": [],
+                "client": (f"10.0.{n // 250}.{n % 250}", 1234),
+            }
+
+        scopes = [scope(n) for n in range(64)]
+        started = time.perf_counter()
+        done = 0
+        while done < requests:
+            await asyncio.gather(*(app(s, receive, send) for s in scopes))
+            done += len(scopes)
+        elapsed = time.perf_counter() - started
+        await pool.close()
+    return elapsed / done * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-metrics", action="store_true")
+    args = parser.parse_args()
+    cases = [False] if args.no_metrics else [False, True]
+    for with_metrics in cases:
+        best = min(asyncio.run(_round(args.requests, with_metrics)) for _ in range(args.rounds))
+        label = "metrics on " if with_metrics else "metrics off"
+        print(f"{label}: {best:.1f} us/request (best of {args.rounds})")
+
+
+if __name__ == "__main__":
+    main()
