@@ -1,24 +1,34 @@
-"""The store seam: the operations a backend applies, and the protocol it implements.
+"""The store seam: the operations a backend applies, and the protocols it implements.
 
-The seam is as narrow as the engines need: ``apply`` takes a batch of
-operations and applies all of them in one transaction, returning only once it
-is durable. Each operation carries its own inputs and receives its results.
+The seam is as narrow as the engines need. ``Store.apply`` takes a batch of
+operations and applies all of them in one transaction (or one pipeline of
+atomic server-side steps), returning only once it is durable. Each operation
+carries its own inputs and receives its results.
+
+Idempotency ownership is part of the seam, backend-neutral: a :class:`Claim`
+takes a key for this process (or finds its stored response) inside the batch,
+a :class:`Save` stores the owner's response *fenced* by the claim's token and
+ends the claim, a :class:`Release` ends it without storing. What frees a claim
+whose holder died is each backend's promise, stated in its docstring; waiting
+for a claim held elsewhere goes through :class:`Claims`, never by polling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
-
-if TYPE_CHECKING:
-    from ..locks import KeyLocks
+from typing import Literal, Protocol
 
 __all__ = [
+    "Claim",
+    "Claims",
     "Durability",
     "Hit",
     "Lookup",
+    "Quota",
+    "Release",
     "Save",
+    "SaveOutcome",
     "Store",
     "StoreOp",
     "StoreStatistics",
@@ -36,7 +46,8 @@ class Hit:
     Inputs: one counter key, amount and window (seconds) per limit. Results,
     filled by the store: whether the request is allowed (a refused hit consumes
     nothing), the count of each window after this hit, and the seconds until
-    each window ends; ``wall`` is the wall time the decision was taken at.
+    each window ends; ``wall`` is the wall time (Unix seconds) the decision was
+    taken at, for the headers a client reads.
     """
 
     __slots__ = ("allowed", "amounts", "counts", "keys", "resets", "wall", "windows")
@@ -64,9 +75,9 @@ class StoredResponse:
 
 
 class Lookup:
-    """Find the stored response for a scoped idempotency key (``None``: none, or expired).
+    """Read the stored response of a scoped key (``None``: none, or expired); no claim.
 
-    An expired row found here is deleted in the same transaction (pruned when touched).
+    An expired row found here may be deleted in the same transaction (pruned when touched).
     """
 
     __slots__ = ("key", "result")
@@ -76,18 +87,88 @@ class Lookup:
         self.result: StoredResponse | None = None
 
 
+class Claim:
+    """Take a scoped idempotency key for this process, or find its stored response.
+
+    In one atomic step, in this order: if the key's claim is held by a live
+    holder elsewhere, nothing is taken (``held``; ``retry_after`` is the
+    seconds until that holder's lease ends, or ``None`` where claims die with
+    their holder). Otherwise a live stored response is returned in ``stored``
+    and nothing is taken. Otherwise the claim is taken: ``token`` is a fence,
+    strictly greater than every token issued for this key before, and the
+    claim stays held until a :class:`Save`/:class:`Release` with that token, or
+    until the holder dies (backend-defined; a lease is renewed by the store
+    itself while the process lives).
+    """
+
+    __slots__ = ("held", "key", "retry_after", "stored", "token")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.stored: StoredResponse | None = None
+        self.token = 0  # > 0 once claimed
+        self.held = False
+        self.retry_after: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Caps on stored response bytes: per caller scope, and for the whole store."""
+
+    scope_bytes: int = 8 << 20
+    total_bytes: int = 1 << 30
+
+
+SaveOutcome = Literal["pending", "saved", "fenced", "quota"]
+
+
 class Save:
-    """Store ``response`` under a scoped idempotency key for ``ttl`` seconds."""
+    """Store ``response`` under a scoped key for ``ttl`` seconds, fenced by ``token``; end the claim.
 
-    __slots__ = ("key", "response", "ttl")
+    ``outcome``: ``"saved"``; ``"fenced"`` when the claim with ``token`` is no
+    longer the key's current claim (a newer owner's response is never
+    overwritten; nothing is written); ``"quota"`` when storing would take the
+    caller ``scope`` or the store past ``quota`` (nothing is stored, the claim
+    ends). Live bytes are counted (expired rows do not count). ``token`` 0 saves
+    without a claim (tests and tools only). Waiters elsewhere are woken.
+    """
 
-    def __init__(self, key: str, response: StoredResponse, ttl: float) -> None:
+    __slots__ = ("key", "outcome", "quota", "response", "scope", "token", "ttl")
+
+    def __init__(
+        self,
+        key: str,
+        response: StoredResponse,
+        ttl: float,
+        *,
+        token: int = 0,
+        scope: str = "",
+        quota: Quota | None = None,
+    ) -> None:
         self.key = key
         self.response = response
         self.ttl = ttl
+        self.token = token
+        self.scope = scope
+        self.quota = quota
+        self.outcome: SaveOutcome = "pending"
 
 
-StoreOp = Hit | Lookup | Save
+class Release:
+    """End the claim with ``token`` without storing anything; waiters elsewhere are woken.
+
+    A token that is no longer current releases nothing (``released`` False).
+    """
+
+    __slots__ = ("key", "released", "token")
+
+    def __init__(self, key: str, token: int) -> None:
+        self.key = key
+        self.token = token
+        self.released = False
+
+
+StoreOp = Hit | Lookup | Claim | Save | Release
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,21 +180,33 @@ class StoreStatistics:
     failures: int
 
 
+class Claims(Protocol):
+    """Waiting for a claim held elsewhere (another process or host): no polling."""
+
+    def watch(self, key: str, wake: Callable[[], None], retry_after: float | None) -> Callable[
+        [], None
+    ]:
+        """Call ``wake()`` once, on the event loop, when ``key``'s claim may have come free.
+
+        That is: its holder saved or released it, its holder died, or (for
+        leases) ``retry_after`` seconds passed. A spurious wake is allowed (the
+        caller claims again); a missed one is not. Returns a function that
+        cancels the watch.
+        """
+        ...
+
+
 class Store(Protocol):
-    """A durable backend for counters and stored responses.
+    """A durable backend for counters, stored responses and idempotency claims."""
 
-    ``locks`` gives idempotency ownership across processes sharing the store
-    (None: ownership is per process).
-    """
-
-    locks: KeyLocks | None
+    claims: Claims
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""
         ...
 
     async def close(self) -> None:
-        """Finish queued work and release the backend."""
+        """Finish queued work, end this process's claims, and release the backend."""
         ...
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
