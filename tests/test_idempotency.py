@@ -19,8 +19,8 @@ from porch import (
     SQLiteStore,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
-from porch.locks import ofd_locks_available
-from porch.store.base import Save, StoreOp
+from porch.store.base import Quota, Save, StoreOp
+from porch.store.sqlite.claims import ofd_locks_available
 
 pytestmark = pytest.mark.anyio
 
@@ -513,6 +513,149 @@ async def test_waiting_for_another_pools_lock_ends_at_the_deadline(tmp_path: Pat
         replay = await clients[1].post("/o", content=b"b", headers=keyed())
         assert replay.headers["idempotent-replayed"] == "true"
         assert handler.calls == 1
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
+
+
+def parked_waiters(pool: KeyPool) -> list[int]:
+    """How many callers each in-flight key of the pool keeps in its waiter list."""
+    return [
+        len(state.waiters)  # type: ignore[attr-defined]
+        for shard in pool._shards
+        for state in shard.parked.values()
+    ]
+
+
+async def test_a_waiter_past_its_deadline_leaves_the_waiter_list_at_once(
+    pool: KeyPool, make: Make, handler: Handler
+) -> None:
+    handler.latency = 1.0
+    async with make(wait_timeout=0.1) as c:
+        owner = asyncio.create_task(c.post("/orders", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.05)
+        waiters = await asyncio.gather(
+            *(c.post("/orders", content=b"b", headers=keyed()) for _ in range(5))
+        )
+        assert {w.status_code for w in waiters} == {409}
+        # The owner still runs: its key is in flight, and nobody is left waiting on it.
+        assert not owner.done()
+        assert parked_waiters(pool) == [0]
+        assert (await owner).status_code == 201
+    assert parked_waiters(pool) == []
+
+
+async def test_over_quota_the_response_is_sent_not_stored_and_warned_once(
+    make: Make, handler: Handler, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler.body_size = 1000  # about 1.1 kB stored per response: two fit in 2500 bytes
+    async with make(quota=Quota(scope_bytes=2500, total_bytes=1 << 20)) as c:
+
+        async def post(key: str, caller: str) -> httpx.Response:
+            c.cookies.clear()  # the handler sets a cookie, and a cookie is another caller
+            return await c.post("/o", content=b"b", headers=keyed(key, authorization=caller))
+
+        first = [await post(f"k{i}", "Bearer alice") for i in range(4)]
+        replays = [await post(f"k{i}", "Bearer alice") for i in range(4)]
+        bob = await post("k3", "Bearer bob")
+        bob2 = await post("k3", "Bearer bob")
+    # Every response is sent whole, stored or not.
+    assert [(r.status_code, len(r.content)) for r in first] == [(201, 1000)] * 4
+    # Only what fit in alice's quota replays; the rest ran again.
+    assert ["idempotent-replayed" in r.headers for r in replays] == [True, True, False, False]
+    assert handler.calls == 4 + 2 + 1
+    # Another caller has a quota of its own.
+    assert bob2.headers["idempotent-replayed"] == "true"
+    assert bob2.content == bob.content
+    warnings = [r for r in caplog.records if "quota" in r.getMessage()]
+    assert len(warnings) == 1  # four refusals, one warning: throttled per scope
+
+
+@pytest.mark.parametrize(
+    ("quota", "message"),
+    [
+        (Quota(scope_bytes=0), "quota.scope_bytes must be >= 1"),
+        (Quota(scope_bytes=10, total_bytes=5), "quota.total_bytes must be >= quota.scope_bytes"),
+        ("8 MiB", "quota must be a porch Quota"),
+    ],
+)
+def test_bad_quotas_are_configuration_errors(tmp_path: Path, quota: Any, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        IdempotencyMiddleware(Handler(), pool=KeyPool(SQLiteStore(tmp_path)), quota=quota)
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_a_fenced_owner_is_sent_but_its_waiters_get_the_newer_owners_response(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first owner loses its claim while it runs (what a lapsed lease is on a
+    # network store; here the test drops the lock behind its back). Another
+    # worker claims the key and stores its response; the first owner's save is
+    # then fenced: its client still gets its response, nothing overwrites the
+    # stored one, and the first worker's waiters are answered with the stored one.
+    slow, fast = Handler(), Handler()
+    slow.latency = 0.6
+    fast.body_size = 10  # tells the two owners' responses apart
+    stores = [SQLiteStore(tmp_path), SQLiteStore(tmp_path)]
+    pools = [KeyPool(s, size=1) for s in stores]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(h, pool=p)),
+            base_url="http://t",
+        )
+        for h, p in zip((slow, fast), pools, strict=True)
+    ]
+    try:
+        owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.1)
+        waiter = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.05)
+        [key] = [k for shard in pools[0]._shards for k in shard.parked]
+        stores[0]._claims.end(key)  # the claim is lost behind the owner's back
+        newer = await clients[1].post("/o", content=b"b", headers=keyed())
+        assert newer.status_code == 201
+        first, parked = await owner, await waiter
+        assert first.status_code == 201
+        assert "idempotent-replayed" not in first.headers
+        assert parked.headers["idempotent-replayed"] == "true"
+        assert parked.content == newer.content
+        assert "fenced" in caplog.text
+        clients[0].cookies.clear()  # the handler sets one; a cookie is another caller
+        replay = await clients[0].post("/o", content=b"b", headers=keyed())
+        assert replay.content == newer.content
+        assert (slow.calls, fast.calls) == (1, 1)
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_closing_the_pool_fails_callers_parked_on_another_pools_claim(
+    tmp_path: Path,
+) -> None:
+    handler = Handler()
+    handler.latency = 1.0
+    pools = [KeyPool(SQLiteStore(tmp_path), size=1) for _ in range(2)]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+        )
+        for p in pools
+    ]
+    try:
+        owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.1)
+        waiter = asyncio.create_task(clients[1].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await pools[1].close()
+        assert (await asyncio.wait_for(waiter, 5)).status_code == 503
+        assert (await owner).status_code == 201
     finally:
         for c in clients:
             await c.aclose()

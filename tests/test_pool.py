@@ -2,15 +2,14 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
-from porch.locks import KeyLocks
 from porch.pool import Call, KeyPool, Shard
-from porch.store.base import Hit, StoreOp, StoreStatistics
+from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -30,10 +29,19 @@ class HitCall(Call):
         self.future.set_result(self.hit)
 
 
+class NoClaims:
+    """A fake store's claims: never held elsewhere, so never watched."""
+
+    def watch(
+        self, key: str, wake: Callable[[], None], retry_after: float | None
+    ) -> Callable[[], None]:
+        raise AssertionError("nothing is ever held elsewhere in this fake store")
+
+
 class GatedStore:
     """A store whose transactions wait for a gate, to hold a shard busy."""
 
-    locks: KeyLocks | None = None
+    claims: Claims = NoClaims()
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

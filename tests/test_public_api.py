@@ -27,6 +27,7 @@ def test_public_surface_is_pinned() -> None:
             "PoolStatistics",
             "PorchError",
             "PorchMetrics",
+            "Quota",
             "RateLimitMiddleware",
             "Refusal",
             "RefusalFactory",
@@ -41,6 +42,7 @@ def test_public_surface_is_pinned() -> None:
             "SystemClock",
             "__version__",
             "authorization_scope",
+            "open_store",
         ]
     )
     for name in porch.__all__:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,8 @@ from porch import (
     StoreError,
 )
 from porch._types import ASGIApp, Message, Receive, Scope, Send
-from porch.locks import KeyLocks
 from porch.responses import BytesResponse
-from porch.store.base import Hit, StoreOp, StoreStatistics
+from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
 
 pytestmark = pytest.mark.anyio
 
@@ -179,8 +178,17 @@ async def test_custom_refusal_factory(pool: KeyPool) -> None:
     assert seen[0].violated[0].limit == 1
 
 
+class NoClaims:
+    """A fake store's claims: never held elsewhere, so never watched."""
+
+    def watch(
+        self, key: str, wake: Callable[[], None], retry_after: float | None
+    ) -> Callable[[], None]:
+        raise AssertionError("nothing is ever held elsewhere in this fake store")
+
+
 class BrokenStore:
-    locks: KeyLocks | None = None
+    claims: Claims = NoClaims()
 
     async def open(self) -> None:
         pass

@@ -17,7 +17,15 @@ from .metrics import PorchMetrics
 from .pool import KeyPool, PoolStatistics
 from .ratelimit import PolicyState, RateLimitMiddleware, Refusal, RefusalFactory
 from .rules import Limit, Rule
-from .store import Durability, SQLiteStore, Store, StoredResponse, StoreStatistics
+from .store import (
+    Durability,
+    Quota,
+    SQLiteStore,
+    Store,
+    StoredResponse,
+    StoreStatistics,
+    open_store,
+)
 
 __version__ = "0.1.0"
 
@@ -41,6 +49,7 @@ __all__ = [
     "PoolStatistics",
     "PorchError",
     "PorchMetrics",
+    "Quota",
     "RateLimitMiddleware",
     "Refusal",
     "RefusalFactory",
@@ -55,4 +64,5 @@ __all__ = [
     "SystemClock",
     "__version__",
     "authorization_scope",
+    "open_store",
 ]

@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
@@ -32,11 +33,11 @@ from .idempotency_keys import (
     parse_key,
     request_digest,
 )
-from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome
+from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
 from .pool import KeyPool
 from .responses import BytesResponse, problem
 from .rules import normalize_method, path_matches
-from .store.base import StoredResponse
+from .store.base import Quota, StoredResponse
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyRule"]
 
@@ -44,6 +45,7 @@ logger = logging.getLogger("porch.idempotency")
 
 REPLAYED_HEADERS = frozenset({b"content-type", b"location", b"etag", b"content-location"})
 _UNSTORED_STATUSES = frozenset({408, 409, 425, 429})
+DEFAULT_QUOTA = Quota()  # frozen: 8 MiB of stored responses per caller scope, 1 GiB in total
 
 
 def storable(status: int) -> bool:
@@ -105,7 +107,10 @@ class IdempotencyMiddleware:
     most ``wait_timeout`` seconds (then 409).
     Keyed bodies over ``max_body`` bytes are refused with 413; responses over
     ``max_stored`` bytes are sent but not stored, and the key is released as if
-    the owner had failed (the next duplicate runs the handler).
+    the owner had failed (the next duplicate runs the handler). ``quota`` caps
+    the bytes of live stored responses per caller scope and in the whole store:
+    a response that would go past it is sent, not stored (a warning, at most
+    one per scope a minute), and its key released.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class IdempotencyMiddleware:
         max_body: int = 1 << 20,
         max_stored: int = 1 << 20,
         retry_after: int = 1,
+        quota: Quota = DEFAULT_QUOTA,
     ) -> None:
         rules = (rules,) if isinstance(rules, IdempotencyRule) else tuple(rules)
         if not rules:
@@ -136,6 +142,15 @@ class IdempotencyMiddleware:
             raise ConfigurationError(f"max_stored must be >= 0 bytes, got {max_stored}")
         if retry_after < 1:
             raise ConfigurationError(f"retry_after must be >= 1 second, got {retry_after}")
+        if not isinstance(quota, Quota):
+            raise ConfigurationError("quota must be a porch Quota")
+        if quota.scope_bytes < 1:
+            raise ConfigurationError(f"quota.scope_bytes must be >= 1, got {quota.scope_bytes}")
+        if quota.total_bytes < quota.scope_bytes:
+            raise ConfigurationError(
+                f"quota.total_bytes must be >= quota.scope_bytes ({quota.scope_bytes}),"
+                f" got {quota.total_bytes}"
+            )
         self.app = app
         self.pool = pool
         self._rules = rules
@@ -147,6 +162,7 @@ class IdempotencyMiddleware:
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
         # Refusals and 503s are logged, throttled per caller scope and outcome.
         self._log = EventLog(logger)
+        self.quota = quota
         metrics = pool.metrics
         self._outcomes = metrics.idempotency if metrics is not None else None
         self._causes = metrics.causes if metrics is not None else None
@@ -261,8 +277,7 @@ class IdempotencyMiddleware:
                 scope, receive, send
             )
             return
-        scoped = f"{caller}\x1f{key}"
-        await self._keyed(scope, receive, send, scoped, digest, body)
+        await self._keyed(scope, receive, send, caller, f"{caller}\x1f{key}", digest, body)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
@@ -280,7 +295,14 @@ class IdempotencyMiddleware:
                 return b"".join(chunks)
 
     async def _keyed(
-        self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        caller: str,
+        key: str,
+        digest: bytes,
+        body: bytes,
     ) -> None:
         pool = self.pool
         try:
@@ -289,8 +311,15 @@ class IdempotencyMiddleware:
             future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
             # Parked behind a running owner costs a parked task, no polling. The
             # shard arms the wait_timeout deadline only if the call has to wait.
-            pool.submit(key, Acquire(future, key, digest, self.wait_timeout))
-            outcome = await future
+            acquire = Acquire(future, key, digest, self.wait_timeout)
+            pool.submit(key, acquire)
+            try:
+                outcome = await future
+            except asyncio.CancelledError:
+                # Cancelled just as ownership arrived: the claim must not be left held.
+                if future.done() and not future.cancelled() and future.result() is OWNER:
+                    self._report(key, acquire.token, caller, None)
+                raise
         except TimeoutError:
             self._event(
                 scope,
@@ -352,12 +381,12 @@ class IdempotencyMiddleware:
         elif outcome is OWNER:
             if outcomes is not None:
                 outcomes["executed"].inc()
-            await self._run_owner(scope, receive, send, key, digest, body)
+            capture = _Capture(send, self, key, acquire.token, caller, digest)
+            await self._run_owner(scope, receive, capture, body)
 
     async def _run_owner(
-        self, scope: Scope, receive: Receive, send: Send, key: str, digest: bytes, body: bytes
+        self, scope: Scope, receive: Receive, capture: _Capture, body: bytes
     ) -> None:
-        capture = _Capture(send, self, key, digest)
         try:
             await self.app(scope, _replaying(body, receive), capture)
         finally:
@@ -366,16 +395,35 @@ class IdempotencyMiddleware:
             if not capture.reported:
                 capture.report(None)
 
-    def _report(self, key: str, response: StoredResponse | None) -> asyncio.Future[None]:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def _report(
+        self, key: str, token: int, caller: str, response: StoredResponse | None
+    ) -> asyncio.Future[Report]:
+        done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
+        call = Complete.of(done, key, token, response, self.ttl, caller, self.quota)
         try:
-            self.pool.submit(key, Complete(done, key, response, self.ttl), must_deliver=True)
+            self.pool.submit(key, call, must_deliver=True)
         except PoolClosedError as exc:
             done.set_exception(exc)
         if response is None:
             # Reports of unstored responses are not awaited; never leave an error unretrieved.
             done.add_done_callback(_retrieve)
         return done
+
+    def _over_quota(self, caller: str) -> None:
+        # A client over its quota must not choose the log volume: once a minute per scope.
+        self._log.event(
+            logging.WARNING,
+            ("quota", caller),
+            asyncio.get_running_loop().time(),
+            60.0,
+            "porch: stored responses of scope %r would exceed the quota (%d bytes per scope,"
+            " %d in total); a response was sent but not stored, its key released",
+            caller[:64],
+            self.quota.scope_bytes,
+            self.quota.total_bytes,
+            scope=caller,
+            outcome="quota",
+        )
 
 
 class _BodyTooLarge(Exception):
@@ -391,7 +439,7 @@ def _invalid_header(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def _retrieve(future: asyncio.Future[None]) -> None:
+def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
 
@@ -425,6 +473,7 @@ class _Capture:
     """
 
     __slots__ = (
+        "caller",
         "chunks",
         "digest",
         "headers",
@@ -437,14 +486,23 @@ class _Capture:
         "size",
         "start",
         "status",
+        "token",
     )
 
     def __init__(
-        self, send: Send, middleware: IdempotencyMiddleware, key: str, digest: bytes
+        self,
+        send: Send,
+        middleware: IdempotencyMiddleware,
+        key: str,
+        token: int,
+        caller: str,
+        digest: bytes,
     ) -> None:
         self.send = send
         self.middleware = middleware
         self.key = key
+        self.token = token
+        self.caller = caller
         self.digest = digest
         self.status = 0
         self.start: Message | None = None
@@ -455,9 +513,9 @@ class _Capture:
         self.invalid: bytes | None = None
         self.reported = False
 
-    def report(self, response: StoredResponse | None) -> asyncio.Future[None]:
+    def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
-        return self.middleware._report(self.key, response)
+        return self.middleware._report(self.key, self.token, self.caller, response)
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
@@ -509,8 +567,18 @@ class _Capture:
             return
         stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
         try:
-            await self.report(stored)
+            outcome = await self.report(stored)
         except (StoreError, PoolClosedError) as exc:
             # The handler's work is done: deliver the response, but say
             # loudly that a retry will not be able to replay it.
             logger.error("porch: could not store the response for replay: %s", exc)
+            return
+        if outcome == "quota":
+            self.middleware._over_quota(self.caller)
+        elif outcome == "fenced":
+            # Another owner claimed the key meanwhile (this claim had ended): its
+            # response is the stored one; this one is delivered but never replayed.
+            logger.error(
+                "porch: an idempotency owner lost its claim before saving (fenced);"
+                " its response was sent but not stored"
+            )

@@ -2,37 +2,42 @@
 
 A keyed request sends :class:`Acquire` and gets one of: the stored response
 (digest matches), a mismatch (digest differs), or ownership (nothing stored,
-nobody running). If an owner is running it gets nothing yet: it stays parked
-in the shard's volatile state until the owner reports with :class:`Complete`.
-That state dies with the process, so a crash never wedges a key.
+nobody running). If an owner is running — in this process or in another one
+sharing the store — it gets nothing yet: it stays parked in the shard's
+volatile state until the owner reports. That state dies with the process, so
+a crash never wedges a key.
 
-Across processes sharing a store, the in-process owner also holds the key's
-lock in the store's :class:`~porch.locks.KeyLocks` from before its lookup until
-its response is committed. When another process holds it, a thread waits for
-the lock (no polling) and the key is looked up again once it is ours.
+The shard speaks to the store only through the seam's ops, in its batch:
+the first caller's :class:`~porch.store.base.Claim` takes the key (with a
+fence token) or finds its stored response or finds it held elsewhere; then
+parked callers wait on ``store.claims.watch`` (no polling) and claim again
+when it fires. The owner's :class:`Complete` is a fenced
+:class:`~porch.store.base.Save` or a :class:`~porch.store.base.Release`: the
+one path that ends a claim. Saved → every waiter gets the response; anything
+else (released, fenced, over quota, failed) → the waiters still waiting claim
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
-from .errors import PoolClosedError, StoreError
-from .locks import KeyLocks
+from .errors import PoolClosedError
 from .pool import Call, Shard
-from .store.base import Lookup, Save, StoredResponse, StoreOp
+from .store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
 
-__all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome"]
+__all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]
 
 logger = logging.getLogger("porch.idempotency")
 
 
 class _Owner:
-    """The caller owns the key: run the handler and report with Complete."""
+    """The caller owns the key: run the handler and report with Complete (``Acquire.token``)."""
 
     __slots__ = ()
 
@@ -51,256 +56,273 @@ class Mismatch:
 
 
 Outcome = StoredResponse | Mismatch | _Owner
+Report = Literal["saved", "fenced", "quota", "released"]
+"""What became of an owner's report (see ``Save.outcome``); ``released``: not stored."""
+
+
+class _InFlight:
+    """A key being claimed, run or waited for in this process: its waiters and its claim."""
+
+    __slots__ = ("cancel", "key", "shard", "token", "waiters")
+
+    def __init__(self, shard: Shard, key: str) -> None:
+        self.shard = shard
+        self.key = key
+        self.waiters: deque[Acquire] = deque()
+        self.token = 0  # > 0 while an owner in this process holds the claim
+        self.cancel: Callable[[], None] | None = None  # set while watching a claim elsewhere
+
+    def current(self) -> bool:
+        return self.shard.parked.get(self.key) is self
+
+    def forget(self) -> None:
+        if self.current():
+            del self.shard.parked[self.key]
+
+    def live(self) -> bool:
+        return any(not w.future.done() for w in self.waiters)
+
+    def settle(self, claim: Claim, carrier: Acquire | None) -> None:
+        """The batch with this key's Claim committed: answer, hand ownership, or watch."""
+        if claim.stored is not None:
+            self.forget()
+            self.resolve(claim.stored)
+        elif claim.token:
+            self.token = claim.token
+            while self.waiters:
+                waiter = self.waiters.popleft()
+                waiter.state = None
+                # A waiter past its deadline (or whose client left) is done already.
+                if not waiter.future.done():
+                    waiter.token = claim.token
+                    waiter.future.set_result(OWNER)
+                    return
+            self.report(Release(self.key, claim.token))  # nobody left to own it
+        elif not self.live():
+            self.forget()
+        else:
+            # Held by another process: park (now the first caller waits too) and watch.
+            if carrier is not None and carrier.deadline is None and not carrier.future.done():
+                carrier.arm(self)
+            self.cancel = self.shard.store.claims.watch(self.key, self.wake, claim.retry_after)
+
+    def wake(self) -> None:
+        """The watched claim may be free: claim again (a relook), past any mailbox limit."""
+        self.cancel = None
+        if self.current():
+            self.send(_Relook(self))
+
+    def reclaim(self) -> None:
+        """The owner's claim ended without a stored response: the waiters still waiting claim."""
+        self.token = 0
+        if not self.live():
+            self.forget()
+        else:
+            self.send(_Relook(self))
+
+    def report(self, op: Save | Release) -> None:
+        future: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieve)
+        self.send(Complete(future, op))
+
+    def send(self, call: Call) -> None:
+        try:
+            self.shard.mailbox.send_nowait(call, force=True)
+        except PoolClosedError as exc:
+            self.forget()
+            self.close(exc)
+
+    def resolve(self, stored: StoredResponse) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            waiter.state = None
+            if not waiter.future.done():
+                waiter.future.set_result(_answer(stored, waiter.digest))
+
+    def close(self, exc: BaseException) -> None:
+        """Fail whoever waits here (the pool is closing, or the claim failed)."""
+        if self.cancel is not None:
+            self.cancel()
+            self.cancel = None
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            waiter.state = None
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
 
 
 def _answer(stored: StoredResponse, digest: bytes) -> StoredResponse | Mismatch:
     return stored if stored.digest == digest else Mismatch(stored.digest)
 
 
-class _InFlight:
-    """A key being decided or run in this process: its waiters and its cross-process lock."""
-
-    __slots__ = ("key", "locked", "locks", "waiters")
-
-    def __init__(self, key: str, locks: KeyLocks | None) -> None:
-        self.key = key
-        self.waiters: deque[Acquire] = deque()
-        self.locks = locks
-        self.locked = False
-
-    def release(self) -> None:
-        if self.locked and self.locks is not None:
-            self.locked = False
-            try:
-                self.locks.release(self.key)
-            except OSError as exc:  # the lock goes with the file at exit anyway
-                logger.error("porch: releasing the lock of an idempotency key failed: %s", exc)
-
-    def close(self, exc: BaseException) -> None:
-        self.release()
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.future.done():
-                waiter.future.set_exception(exc)
-
-    def live(self) -> bool:
-        return any(not w.future.done() for w in self.waiters)
-
-    def promote(self) -> bool:
-        """Hand ownership to the first waiter still waiting; False if there is none."""
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            # A waiter past its deadline (or whose client left) cancelled its future.
-            if not waiter.future.done():
-                waiter.future.set_result(OWNER)
-                return True
-        return False
-
-    def resolve(self, stored: StoredResponse) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.future.done():
-                waiter.future.set_result(_answer(stored, waiter.digest))
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
-def _state(shard: Shard, key: str) -> _InFlight | None:
-    # The shard keeps only this module's state in ``parked``.
-    return cast("_InFlight | None", shard.parked.get(key))
-
-
-def _drop(shard: Shard, key: str) -> _InFlight | None:
-    """Forget a key's in-flight state and release its cross-process lock."""
-    state = cast("_InFlight | None", shard.parked.pop(key, None))
-    if state is not None:
-        state.release()
-    return state
-
-
-def _settle(shard: Shard, key: str, stored: StoredResponse | None) -> None:
-    """After a lookup under the key's lock: answer everyone, or hand ownership to one."""
-    state = cast(_InFlight, shard.parked[key])
-    if stored is not None:
-        _drop(shard, key)
-        state.resolve(stored)
-    elif not state.promote():
-        _drop(shard, key)
-
-
-class _LookingUp(Call):
-    """A call that may look its key up under the key's lock, then settles the key."""
-
-    __slots__ = ("key", "lookup")
-
-    def __init__(self, future: asyncio.Future[Any], key: str) -> None:
-        super().__init__(future)
-        self.key = key
-        self.lookup: Lookup | None = None
-
-    def _look(self, ops: list[StoreOp]) -> None:
-        self.lookup = Lookup(self.key)
-        ops.append(self.lookup)
-
-    def finish(self, shard: Shard) -> None:
-        if self.lookup is not None:
-            _settle(shard, self.key, self.lookup.result)
-
-
-class Acquire(_LookingUp):
+class Acquire(Call):
     """Ask for a key: stored response, mismatch, ownership, or park until the owner reports.
 
-    A call that has to wait (behind an owner, or for another process's lock)
-    fails with TimeoutError after ``timeout`` seconds.
+    An owner finds its fence token in ``token``. A call that has to wait
+    (behind an owner here or elsewhere) fails with TimeoutError after
+    ``timeout`` seconds, and leaves the waiter list at once.
     """
 
-    __slots__ = ("digest", "timeout")
+    __slots__ = ("claim", "deadline", "digest", "key", "state", "timeout", "token")
 
     def __init__(
         self, future: asyncio.Future[Outcome], key: str, digest: bytes, timeout: float
     ) -> None:
-        super().__init__(future, key)
+        super().__init__(future)
+        self.key = key
         self.digest = digest
         self.timeout = timeout
-
-    def _park(self, state: _InFlight) -> None:
-        state.waiters.append(self)  # answered when the owner reports
-        # Only a waiting call pays for a timer: the common first caller never waits.
-        deadline = self.future.get_loop().call_later(self.timeout, _expire, self.future)
-        self.future.add_done_callback(lambda _: deadline.cancel())
+        self.token = 0
+        self.claim: Claim | None = None
+        self.state: _InFlight | None = None  # where it waits, while it waits
+        self.deadline: asyncio.TimerHandle | None = None
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        state = _state(shard, self.key)
+        state = cast("_InFlight | None", shard.parked.get(self.key))
         if state is not None:
-            self._park(state)
+            state.waiters.append(self)  # answered when the key is settled
+            self.arm(state)
             return
-        # The first caller is the first waiter: the lookup's outcome answers it
-        # like everyone parked behind it meanwhile (see _settle).
-        locks = shard.store.locks
-        state = _InFlight(self.key, locks)
+        # The first caller is the first waiter: the claim's outcome answers it
+        # like everyone parked behind it meanwhile (see _InFlight.settle).
+        state = _InFlight(shard, self.key)
         shard.parked[self.key] = state
-        if locks is not None:
-            try:
-                state.locked = locks.try_acquire(self.key)
-            except OSError as exc:
-                state.waiters.append(self)
-                _drop(shard, self.key)
-                state.close(StoreError(f"cannot lock the key: {exc}"))
-                return
-            if not state.locked:
-                # Another process owns the key: wait for its lock, then look again.
-                self._park(state)
-                _wait_for_lock(shard, self.key, locks)
-                return
         state.waiters.append(self)
-        self._look(ops)
+        self.claim = Claim(self.key)
+        ops.append(self.claim)
+
+    def arm(self, state: _InFlight) -> None:
+        # Only a waiting call pays for a timer: the common first caller never waits.
+        self.state = state
+        self.deadline = self.future.get_loop().call_later(self.timeout, self._expire)
+        self.future.add_done_callback(self._done)
+
+    def _expire(self) -> None:
+        self._leave()
+        if not self.future.done():
+            self.future.set_exception(TimeoutError())
+
+    def _done(self, _: object) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self._leave()  # e.g. its client left
+
+    def _leave(self) -> None:
+        state = self.state
+        if state is None:  # answered by the shard already
+            return
+        self.state = None
+        try:
+            state.waiters.remove(self)
+        except ValueError:
+            return
+        if state.cancel is not None and not state.live():
+            # Only watching another process's claim, and nobody waits any more.
+            state.cancel()
+            state.cancel = None
+            state.forget()
+
+    def finish(self, shard: Shard) -> None:
+        claim = self.claim
+        if claim is not None:
+            state = cast("_InFlight | None", shard.parked.get(self.key))
+            if state is not None:
+                state.settle(claim, self)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
-        if shard is not None and self.lookup is not None:
-            # The lookup failed: nobody owns the key, and those parked behind it fail too.
-            state = _drop(shard, self.key)
+        if shard is not None and self.claim is not None:
+            # The claim failed: nobody owns the key, and those parked behind it fail too.
+            state = cast("_InFlight | None", shard.parked.pop(self.key, None))
             if state is not None:
                 state.close(exc)
 
 
-class _Relook(_LookingUp):
-    """The key's lock came free (its owner in another process finished or died): look again."""
+class _Relook(Call):
+    """The key's claim may have come free (its holder finished or died): claim again."""
 
-    __slots__ = ("error",)
+    __slots__ = ("claim", "state")
 
-    def __init__(self, future: asyncio.Future[None], key: str, error: BaseException | None) -> None:
-        super().__init__(future, key)
-        self.error = error  # None: the lock is ours now
+    def __init__(self, state: _InFlight) -> None:
+        # Nobody awaits a relook: its outcome goes to the waiters it is for.
+        super().__init__(asyncio.get_running_loop().create_future())
+        self.state = state
+        self.claim: Claim | None = None
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        state = _state(shard, self.key)
-        if state is None or self.error is not None:
-            if state is not None:
-                _drop(shard, self.key)
-                state.close(StoreError(f"cannot lock the key: {self.error}"))
-            elif self.error is None and shard.store.locks is not None:
-                shard.store.locks.release(self.key)
+        state = self.state
+        if not state.current():
             return
-        state.locked = True
         if not state.live():  # everyone waiting gave up meanwhile
-            _drop(shard, self.key)
+            state.forget()
             return
-        self._look(ops)
+        self.claim = Claim(state.key)
+        ops.append(self.claim)
+
+    def finish(self, shard: Shard) -> None:
+        if self.claim is not None and self.state.current():
+            self.state.settle(self.claim, None)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
-        # Nobody awaits a relook: its failure goes to the waiters it was for.
-        state = _drop(shard, self.key) if shard is not None else None
-        if state is not None:
-            state.locked = self.error is None  # ours if the thread got it: close() frees it
-            state.close(exc)
-        elif self.error is None and shard is not None and shard.store.locks is not None:
-            shard.store.locks.release(self.key)
-
-
-def _expire(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
-
-
-def _wait_for_lock(shard: Shard, key: str, locks: KeyLocks) -> None:
-    """Block a daemon thread (not the loop, not the CPU) until the key's lock is ours."""
-    loop = asyncio.get_running_loop()
-
-    def deliver(error: BaseException | None) -> None:
-        relook = _Relook(loop.create_future(), key, error)
-        try:
-            shard.mailbox.send_nowait(relook, force=True)
-        except PoolClosedError:
-            if error is None:
-                locks.release(key)
-
-    def wait() -> None:
-        error: OSError | None = None
-        try:
-            locks.acquire(key)
-        except OSError as exc:
-            logger.error("porch: waiting for the lock of an idempotency key failed: %s", exc)
-            error = exc
-        try:
-            loop.call_soon_threadsafe(deliver, error)
-        except RuntimeError:  # the loop is closed: nobody is left to own the key
-            if error is None:
-                locks.release(key)
-
-    threading.Thread(target=wait, name="porch-key-lock", daemon=True).start()
+        if self.state.current():
+            self.state.forget()
+            self.state.close(exc)
 
 
 class Complete(Call):
-    """The owner's report: a response to store and hand to waiters, or ``None`` (not stored)."""
+    """The owner's report: a fenced :class:`Save` of its response, or a :class:`Release`.
 
-    __slots__ = ("key", "save")
+    The future gets what became of it (:data:`Report`) once committed.
+    """
 
-    def __init__(
-        self,
-        future: asyncio.Future[None],
+    __slots__ = ("op",)
+
+    def __init__(self, future: asyncio.Future[Report], op: Save | Release) -> None:
+        super().__init__(future)
+        self.op = op
+
+    @classmethod
+    def of(
+        cls,
+        future: asyncio.Future[Report],
         key: str,
+        token: int,
         response: StoredResponse | None,
         ttl: float,
-    ) -> None:
-        super().__init__(future)
-        self.key = key
-        self.save = None if response is None else Save(key, response, ttl)
+        scope: str = "",
+        quota: Quota | None = None,
+    ) -> Complete:
+        if response is None:
+            return cls(future, Release(key, token))
+        return cls(future, Save(key, response, ttl, token=token, scope=scope, quota=quota))
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        if self.save is not None:
-            ops.append(self.save)
+        ops.append(self.op)
 
     def finish(self, shard: Shard) -> None:
-        # Committed (or nothing to commit): only now may the lock go and waiters be told.
-        if self.key in shard.parked:
-            _settle(shard, self.key, None if self.save is None else self.save.response)
+        # Committed: only now may waiters be told (or claim again).
+        op = self.op
+        outcome: Report = "released" if isinstance(op, Release) else cast(Report, op.outcome)
+        state = cast("_InFlight | None", shard.parked.get(op.key))
+        if state is not None and state.token == op.token:
+            if isinstance(op, Save) and outcome == "saved":
+                state.forget()
+                state.resolve(op.response)
+            else:
+                state.reclaim()
         if not self.future.done():
-            self.future.set_result(None)
+            self.future.set_result(outcome)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
         if shard is not None:
-            # Not stored, so not replayable: waiters get the store failure, not a response
-            # that no retry could ever be shown again.
-            state = _drop(shard, self.key)
-            if state is not None:
-                state.close(exc if isinstance(exc, StoreError) else StoreError(str(exc)))
+            # Not stored (the store ended the claim with the failed transaction): the
+            # waiters claim again, and get the store's answer then.
+            state = cast("_InFlight | None", shard.parked.get(self.op.key))
+            if state is not None and state.token == self.op.token:
+                state.reclaim()

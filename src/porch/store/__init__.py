@@ -1,16 +1,109 @@
-"""Durable stores: the seam and its backends."""
+"""Durable stores: the seam, its backends, and opening one from a URL."""
 
-from .base import Durability, Hit, Lookup, Save, Store, StoredResponse, StoreOp, StoreStatistics
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..errors import ConfigurationError
+from .base import (
+    Claim,
+    Claims,
+    Durability,
+    Hit,
+    Lookup,
+    Quota,
+    Release,
+    Save,
+    SaveOutcome,
+    Store,
+    StoredResponse,
+    StoreOp,
+    StoreStatistics,
+)
 from .sqlite import SQLiteStore
 
 __all__ = [
+    "SCHEMES",
+    "Claim",
+    "Claims",
     "Durability",
     "Hit",
     "Lookup",
+    "Quota",
+    "Release",
     "SQLiteStore",
     "Save",
+    "SaveOutcome",
     "Store",
     "StoreOp",
     "StoreStatistics",
     "StoredResponse",
+    "open_store",
 ]
+
+SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
+"""The URL schemes :func:`open_store` knows."""
+
+
+def open_store(url: str, **options: Any) -> Store:
+    """The store a URL names (not opened yet: the pool opens it); ``options`` go to its class.
+
+    - ``sqlite:///abs/path/file.sqlite3`` or ``sqlite:relative/file.sqlite3``:
+      :class:`SQLiteStore` in that file's directory.
+    - ``postgresql://…`` / ``postgres://…``: the PostgreSQL store (``porch[postgres]``).
+    - ``redis://…`` / ``rediss://…`` / ``unix://…``: the Redis store (``porch[redis]``).
+
+    Raises ConfigurationError for an unknown scheme, a malformed URL or a missing driver.
+    """
+    if not isinstance(url, str) or ":" not in url:
+        raise ConfigurationError(
+            f"a store URL needs a scheme ({', '.join(s + ':' for s in SCHEMES)}), got {url!r}"
+        )
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "sqlite":
+        return _sqlite(url, options)
+    if scheme in ("postgresql", "postgres"):
+        try:
+            from .postgres import PostgresStore  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"the PostgreSQL store needs its driver: pip install 'porch[postgres]' ({exc})"
+            ) from exc
+        return cast_store(PostgresStore(url, **options))
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            from .redis import RedisStore  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"the Redis store needs its driver: pip install 'porch[redis]' ({exc})"
+            ) from exc
+        return cast_store(RedisStore(url, **options))
+    raise ConfigurationError(
+        f"unknown store URL scheme {scheme!r} in {url!r}; known: {', '.join(SCHEMES)}"
+    )
+
+
+def cast_store(store: Any) -> Store:
+    # The backends are typed; this keeps mypy quiet while a backend package is absent.
+    result: Store = store
+    return result
+
+
+def _sqlite(url: str, options: dict[str, Any]) -> SQLiteStore:
+    parts = urlsplit(url)
+    if parts.netloc or parts.query or parts.fragment:
+        raise ConfigurationError(
+            "a SQLite store URL is sqlite:///absolute/path/file.sqlite3 or"
+            f" sqlite:relative/path/file.sqlite3 (no host, query or fragment), got {url!r}"
+        )
+    path = unquote(parts.path)
+    if url.lower().startswith("sqlite:///"):
+        path = "/" + path.lstrip("/")
+    if not path or path.endswith("/"):
+        raise ConfigurationError(f"a SQLite store URL must name a file, got {url!r}")
+    file = Path(path)
+    if "directory" in options or "filename" in options:
+        raise ConfigurationError("the SQLite store URL names the file: pass no directory/filename")
+    return SQLiteStore(directory=file.parent, filename=file.name, **options)

@@ -123,7 +123,7 @@ SaveOutcome = Literal["pending", "saved", "fenced", "quota"]
 
 
 class Save:
-    """Store ``response`` under a scoped key for ``ttl`` seconds, fenced by ``token``; end the claim.
+    """Store ``response`` under a scoped key for ``ttl`` s, fenced by ``token``; end the claim.
 
     ``outcome``: ``"saved"``; ``"fenced"`` when the claim with ``token`` is no
     longer the key's current claim (a newer owner's response is never
@@ -183,9 +183,9 @@ class StoreStatistics:
 class Claims(Protocol):
     """Waiting for a claim held elsewhere (another process or host): no polling."""
 
-    def watch(self, key: str, wake: Callable[[], None], retry_after: float | None) -> Callable[
-        [], None
-    ]:
+    def watch(
+        self, key: str, wake: Callable[[], None], retry_after: float | None
+    ) -> Callable[[], None]:
         """Call ``wake()`` once, on the event loop, when ``key``'s claim may have come free.
 
         That is: its holder saved or released it, its holder died, or (for

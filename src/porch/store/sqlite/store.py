@@ -20,12 +20,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..clock import Clock, SystemClock
-from ..errors import ConfigurationError, StoreError
-from ..locks import KeyLocks, ofd_locks_available
-from .base import Durability, StoreOp, StoreStatistics
-from .sqlite_ops import apply_batch
-from .sqlite_schema import migrate, rebase_after_reboot
+from ...clock import Clock, SystemClock
+from ...errors import ConfigurationError, StoreError
+from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
+from .claims import SQLiteClaims, ofd_locks_available
+from .ops import apply_batch
+from .schema import migrate, rebase_after_reboot
 
 __all__ = ["SQLiteStore"]
 
@@ -35,12 +35,26 @@ _Job = tuple[Sequence[StoreOp], "asyncio.Future[None]"]
 
 
 class SQLiteStore:
-    """Counters (and stored responses) in ``<directory>/<filename>``, WAL mode.
+    """Counters and stored responses in ``<directory>/<filename>``, WAL mode.
 
     ``durability="process"`` (default) survives the process being killed at any
     point, including ``kill -9``: a committed transaction is in the WAL, handed
     to the OS. ``durability="power"`` also syncs the WAL at every group commit,
     so it survives a power loss or kernel crash.
+
+    Idempotency claims are OFD write locks on one byte each of
+    ``<filename>.locks`` beside the data file (Linux 3.15+). What frees a claim:
+    a :class:`~porch.store.base.Save` or :class:`~porch.store.base.Release` with
+    its token (the lock is dropped after the transaction's COMMIT — or after its
+    ROLLBACK, which also ends the claim, storing nothing), :meth:`close`, or the
+    holder's death: the kernel drops a process's OFD locks when its last
+    descriptor of the file closes, which ``kill -9`` does at once. There is no
+    lease, so ``Claim.retry_after`` is always ``None``; a frozen (SIGSTOPped)
+    holder keeps its claims until it runs again or dies. Fence tokens come from
+    a counter in the file, so they increase across every process sharing it;
+    fencing itself is implied by the lock (nobody else can claim meanwhile).
+    Without OFD locks (not Linux) claims are per process: counters stay exact
+    across processes, but two processes may each run a key's handler.
     """
 
     def __init__(
@@ -67,11 +81,8 @@ class SQLiteStore:
         self.prune_batch = prune_batch
         self.clock: Clock = clock if clock is not None else SystemClock()
         # Idempotency owners of every process sharing this file lock keys here.
-        self.locks: KeyLocks | None = (
-            KeyLocks(self.path.with_name(self.path.name + ".locks"))
-            if ofd_locks_available()
-            else None
-        )
+        self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
+        self.claims: Claims = self._claims
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,7 +95,7 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._thread is not None:
             return
-        if self.locks is None:
+        if not ofd_locks_available():
             logger.info(
                 "porch: no open-file-description locks on this platform; idempotency "
                 "ownership is per process (counters stay exact across processes)"
@@ -109,8 +120,7 @@ class SQLiteStore:
         self._thread = None
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
-        if self.locks is not None:
-            self.locks.close()  # drops any key lock this process still holds
+        self._claims.close()  # drops every claim this process still holds
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)
@@ -212,20 +222,39 @@ class SQLiteStore:
             conn.close()
 
     def _transaction(self, conn: sqlite3.Connection, ops: list[StoreOp]) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+        claims = self._claims
         try:
+            conn.execute("BEGIN IMMEDIATE")
             # The clock is read under the write lock, so every process decides on
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            apply_batch(conn, ops, now, wall, self.prune_batch)
+            apply_batch(conn, ops, now, wall, self.prune_batch, claims)
             conn.execute("COMMIT")
         except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            finally:
+                # Claims taken by this transaction end with it; so do the claims its
+                # saves and releases were ending (nothing was stored).
+                claims.rolled_back()
+                if claims.holds_any():
+                    _end_claims(claims, ops)
             raise
+        claims.committed()
+        if claims.holds_any():
+            _end_claims(claims, ops)
         self._transactions += 1
         self._operations += len(ops)
+
+
+def _end_claims(claims: SQLiteClaims, ops: list[StoreOp]) -> None:
+    """After COMMIT or ROLLBACK: unlock the keys whose claims the batch's saves and releases
+    end (a fenced save names a token that is no longer current: it ends nothing)."""
+    for op in ops:
+        if (type(op) is Save or type(op) is Release) and claims.current(op.key, op.token):
+            claims.end(op.key)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

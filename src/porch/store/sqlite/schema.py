@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sqlite3
 
-from ..errors import StoreError
+from ...errors import StoreError
 
-__all__ = ["SCHEMA_VERSION", "migrate", "rebase_after_reboot"]
+__all__ = ["SCHEMA_VERSION", "migrate", "rebase_after_reboot", "statements"]
 
 # Times: ``window_start``, ``stored_at`` and ``expires`` are seconds on the
 # monotonic clock of the boot recorded in porch_meta; ``wall_start`` and
@@ -47,6 +47,49 @@ _MIGRATIONS: tuple[str, ...] = (
     ) WITHOUT ROWID;
     CREATE INDEX responses_expires ON responses (expires);
     """,
+    # 3: fence tokens for claims; stored bytes per caller scope and in total, for quotas.
+    # Existing rows get the scope their key starts with (scope + US + key) and their size.
+    # Triggers keep the running totals exact on every insert, update and delete
+    # (saves, pruning, expiry on touch), so a quota check reads two rows.
+    """
+    INSERT INTO porch_meta (name, value) VALUES ('claim_token', '0');
+    ALTER TABLE responses ADD COLUMN scope TEXT NOT NULL DEFAULT '';
+    ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
+    UPDATE responses SET
+        scope = CASE WHEN instr(key, char(31)) > 0
+                THEN substr(key, 1, instr(key, char(31)) - 1) ELSE '' END,
+        size = length(CAST(key AS BLOB)) + length(digest) + length(CAST(headers AS BLOB))
+               + length(body);
+    CREATE INDEX responses_scope ON responses (scope, expires);
+    CREATE TABLE response_bytes (
+        scope TEXT PRIMARY KEY,
+        bytes INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO response_bytes (scope, bytes)
+        SELECT scope, SUM(size) FROM responses GROUP BY scope;
+    CREATE TABLE response_total (
+        id    INTEGER PRIMARY KEY CHECK (id = 1),
+        bytes INTEGER NOT NULL
+    );
+    INSERT INTO response_total (id, bytes) SELECT 1, COALESCE(SUM(size), 0) FROM responses;
+    CREATE TRIGGER responses_bytes_insert AFTER INSERT ON responses BEGIN
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes + new.size;
+    END;
+    CREATE TRIGGER responses_bytes_delete AFTER DELETE ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        UPDATE response_total SET bytes = bytes - old.size;
+    END;
+    CREATE TRIGGER responses_bytes_update AFTER UPDATE OF scope, size ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes - old.size + new.size;
+    END;
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -61,12 +104,24 @@ def migrate(conn: sqlite3.Connection) -> int:
             f"understands ({SCHEMA_VERSION}); upgrade porch"
         )
     for number in range(version, SCHEMA_VERSION):
-        for statement in _MIGRATIONS[number].split(";"):
-            if statement.strip():
-                conn.execute(statement)
+        for statement in statements(_MIGRATIONS[number]):
+            conn.execute(statement)
     if version != SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return int(version)
+
+
+def statements(script: str) -> list[str]:
+    """Split a migration into statements (a trigger's body holds ``;`` of its own)."""
+    found: list[str] = []
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                found.append(pending.strip())
+            pending = ""
+    return found
 
 
 def rebase_after_reboot(conn: sqlite3.Connection, boot_id: str, mono: float, wall: float) -> bool:

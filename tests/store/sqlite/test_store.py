@@ -14,7 +14,7 @@ from porch.clock import ManualClock
 from porch.errors import ConfigurationError, StoreError
 from porch.store.base import Hit
 from porch.store.sqlite import SQLiteStore
-from porch.store.sqlite_schema import SCHEMA_VERSION
+from porch.store.sqlite.schema import SCHEMA_VERSION
 
 pytestmark = pytest.mark.anyio
 
@@ -291,7 +291,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_counters(
 ) -> None:
     # A file written by the first release (counters only): upgrading adds the
     # responses table and keeps every counter.
-    from porch.store import sqlite_schema
+    from porch.store.sqlite import schema as sqlite_schema
 
     path = tmp_path / "porch.sqlite3"
     conn = sqlite3.connect(path, isolation_level=None)
@@ -314,3 +314,45 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_counters(
     with sqlite3.connect(path) as check:
         assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert check.execute("SELECT count(*) FROM responses").fetchone()[0] == 0
+
+
+async def test_a_version_2_file_gets_scopes_sizes_and_totals(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # A file of the second release: stored responses without scope or size.
+    # Upgrading derives each row's scope from its key and counts its bytes.
+    from porch.store.base import Claim
+    from porch.store.sqlite import schema as sqlite_schema
+
+    path = tmp_path / "porch.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number in (0, 1):
+        for statement in sqlite_schema.statements(sqlite_schema._MIGRATIONS[number]):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO porch_meta VALUES ('boot_id', ?)", (clock.boot_id(),))
+    now = clock.monotonic()
+    for key, body in (("alice\x1fk1", b"x" * 100), ("alice\x1fk2", b"y" * 50), ("bob\x1fk", b"")):
+        conn.execute(
+            "INSERT INTO responses VALUES (?, ?, 201, '[]', ?, ?, ?, ?)",
+            (key, b"d" * 32, body, now, now + 60, clock.wall()),
+        )
+    conn.close()
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    try:
+        claim = Claim("alice\x1fk1")
+        await s.apply([claim])
+        assert claim.stored is not None
+        assert claim.stored.body == b"x" * 100
+    finally:
+        await s.close()
+    with sqlite3.connect(path) as check:
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        scopes = dict(check.execute("SELECT key, scope FROM responses"))
+        assert scopes == {"alice\x1fk1": "alice", "alice\x1fk2": "alice", "bob\x1fk": "bob"}
+        per_scope = dict(check.execute("SELECT scope, bytes FROM response_bytes"))
+        # key + digest + headers ('[]') + body, in bytes
+        assert per_scope == {"alice": (8 + 32 + 2 + 100) + (8 + 32 + 2 + 50), "bob": 5 + 32 + 2}
+        total = check.execute("SELECT bytes FROM response_total").fetchone()[0]
+        assert total == sum(per_scope.values())

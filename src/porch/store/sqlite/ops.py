@@ -1,0 +1,312 @@
+"""The SQL of each store operation, applied inside the writer's transaction.
+
+Each kind of operation is applied in bulk: one ``SELECT ... IN`` for every key
+the batch reads, one ``executemany`` for every row it writes. Counters are
+written through (one upsert per key per transaction, never delete-then-insert);
+expired rows are pruned when touched, plus a bounded number of others per
+transaction, so the tables stay bounded without a sweeper. Claims take the
+key's OFD lock (see :mod:`.claims`) before they read; the caller unlocks what a
+rolled-back transaction took.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
+from .claims import SQLiteClaims
+
+__all__ = ["apply_batch", "stored_size"]
+
+_UPSERT_COUNTER = (
+    "INSERT INTO counters (key, count, window_start, expires, wall_start) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET count = excluded.count,"
+    " window_start = excluded.window_start, expires = excluded.expires,"
+    " wall_start = excluded.wall_start"
+)
+_PRUNE_COUNTERS = (
+    "DELETE FROM counters WHERE key IN"
+    " (SELECT key FROM counters WHERE expires <= ? ORDER BY expires LIMIT ?)"
+)
+_PRUNE_RESPONSES = (
+    "DELETE FROM responses WHERE key IN"
+    " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
+)
+_UPSERT_RESPONSE = (
+    "INSERT INTO responses"
+    " (key, digest, status, headers, body, stored_at, expires, stored_wall, scope, size)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
+    " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
+    " expires = excluded.expires, stored_wall = excluded.stored_wall,"
+    " scope = excluded.scope, size = excluded.size"
+)
+_PRUNE_SCOPE = "DELETE FROM responses WHERE scope = ? AND expires <= ?"
+_PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
+_SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
+
+
+def _chunks(keys: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(keys), _SELECT_CHUNK):
+        yield keys[i : i + _SELECT_CHUNK]
+
+
+def apply_batch(
+    conn: sqlite3.Connection,
+    ops: Sequence[StoreOp],
+    now: float,
+    wall: float,
+    prune: int,
+    claims: SQLiteClaims,
+) -> None:
+    """Apply ``ops`` with the clock read once for the whole transaction."""
+    hits: list[Hit] = []
+    reads: list[Claim | Lookup] = []
+    writes: list[Save | Release] = []
+    for op in ops:
+        if type(op) is Hit:
+            hits.append(op)
+        elif type(op) is Claim or type(op) is Lookup:
+            reads.append(op)
+        elif type(op) is Save or type(op) is Release:
+            writes.append(op)
+    if reads and writes and {op.key for op in reads} & {op.key for op in writes}:
+        # A key both read and written in one batch: keep arrival order exactly.
+        for op in ops:
+            if type(op) is Claim or type(op) is Lookup:
+                _apply_reads(conn, [op], now, claims)
+            elif type(op) is Save or type(op) is Release:
+                _apply_writes(conn, [op], now, wall, claims)
+    else:
+        if reads:
+            _apply_reads(conn, reads, now, claims)
+        if writes:
+            _apply_writes(conn, writes, now, wall, claims)
+    if writes:
+        conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
+    if hits:
+        created = _apply_hits(conn, hits, now, wall)
+        conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
+
+
+def _apply_reads(
+    conn: sqlite3.Connection, reads: list[Claim | Lookup], now: float, claims: SQLiteClaims
+) -> None:
+    keys: list[str] = []
+    for op in reads:
+        if type(op) is Claim and not claims.take(op.key):
+            op.held = True  # an OFD lock dies with its holder: no lease to wait out
+            continue
+        keys.append(op.key)
+    found = _select_responses(conn, keys, now) if keys else {}
+    claimed: list[Claim] = []
+    for op in reads:
+        if type(op) is Lookup:
+            op.result = found.get(op.key)
+        elif type(op) is Claim and not op.held:
+            stored = found.get(op.key)
+            if stored is not None:
+                op.stored = stored
+                claims.end(op.key)  # nothing to own: answered from the store
+            else:
+                claimed.append(op)
+    if claimed:
+        first = _next_tokens(conn, len(claimed))
+        for i, op in enumerate(claimed):
+            op.token = first + i
+            claims.grant(op.key, op.token)
+
+
+def _next_tokens(conn: sqlite3.Connection, count: int) -> int:
+    """Reserve ``count`` fence tokens; the first. Strictly increasing for the file, across
+    processes: the counter is read and written under the transaction's write lock."""
+    (last,) = conn.execute("SELECT value FROM porch_meta WHERE name = 'claim_token'").fetchone()
+    last = int(last)
+    conn.execute("UPDATE porch_meta SET value = ? WHERE name = 'claim_token'", (str(last + count),))
+    return last + 1
+
+
+def _select_responses(
+    conn: sqlite3.Connection, keys: list[str], now: float
+) -> dict[str, StoredResponse]:
+    found: dict[str, StoredResponse] = {}
+    expired: list[tuple[str]] = []
+    for chunk in _chunks(list(set(keys))):
+        marks = ",".join("?" * len(chunk))
+        for key, digest, status, headers, body, expires in conn.execute(
+            "SELECT key, digest, status, headers, body, expires FROM responses"
+            f" WHERE key IN ({marks})",
+            chunk,
+        ):
+            if now >= expires:
+                expired.append((key,))  # pruned when touched
+                continue
+            found[key] = StoredResponse(
+                bytes(digest),
+                int(status),
+                tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
+                bytes(body),
+            )
+    if expired:
+        conn.executemany("DELETE FROM responses WHERE key = ?", expired)
+    return found
+
+
+def stored_size(key: str, response: StoredResponse, headers: str) -> int:
+    """The bytes a stored response counts against its quotas: key, digest, headers, body."""
+    return (
+        len(key.encode("utf-8", "surrogatepass"))
+        + len(response.digest)
+        + len(headers.encode("latin-1"))
+        + len(response.body)
+    )
+
+
+class _Usage:
+    """Stored bytes per scope and in total, read once per transaction and kept current."""
+
+    __slots__ = ("conn", "now", "pruned", "scopes", "total")
+
+    def __init__(self, conn: sqlite3.Connection, scopes: set[str], now: float) -> None:
+        self.conn = conn
+        self.now = now
+        self.scopes: dict[str, int] = dict.fromkeys(scopes, 0)
+        for chunk in _chunks(list(scopes)):
+            marks = ",".join("?" * len(chunk))
+            for scope, used in conn.execute(
+                f"SELECT scope, bytes FROM response_bytes WHERE scope IN ({marks})", chunk
+            ):
+                self.scopes[scope] = int(used)
+        self.total = self._read_total()
+        self.pruned: set[str | None] = set()
+
+    def _read_total(self) -> int:
+        return int(self.conn.execute("SELECT bytes FROM response_total").fetchone()[0])
+
+    def _reread(self) -> None:
+        # Pruning changed rows of scopes other than the one being checked, too.
+        for scope in self.scopes:
+            row = self.conn.execute(
+                "SELECT bytes FROM response_bytes WHERE scope = ?", (scope,)
+            ).fetchone()
+            self.scopes[scope] = 0 if row is None else int(row[0])
+        self.total = self._read_total()
+
+    def admit(self, scope: str, size: int, quota: Quota) -> bool:
+        """Whether ``size`` more bytes fit; expired rows are reclaimed before saying no."""
+        if self.scopes[scope] + size > quota.scope_bytes and scope not in self.pruned:
+            self.pruned.add(scope)
+            self.conn.execute(_PRUNE_SCOPE, (scope, self.now))
+            self._reread()
+        if self.total + size > quota.total_bytes and None not in self.pruned:
+            self.pruned.add(None)
+            self.conn.execute(_PRUNE_ALL_EXPIRED, (self.now,))
+            self._reread()
+        if self.scopes[scope] + size > quota.scope_bytes or self.total + size > quota.total_bytes:
+            return False
+        self.scopes[scope] += size
+        self.total += size
+        return True
+
+
+def _apply_writes(
+    conn: sqlite3.Connection,
+    writes: list[Save | Release],
+    now: float,
+    wall: float,
+    claims: SQLiteClaims,
+) -> None:
+    usage: _Usage | None = None
+    rows: list[tuple[Any, ...]] = []
+    for op in writes:
+        if type(op) is Release:
+            op.released = claims.current(op.key, op.token)
+            continue
+        if type(op) is not Save:  # pragma: no cover - only Save and Release are writes
+            continue
+        if op.token and not claims.current(op.key, op.token):
+            op.outcome = "fenced"  # a newer claim exists: never overwrite its response
+            continue
+        response = op.response
+        headers = json.dumps(
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers]
+        )
+        size = stored_size(op.key, response, headers)
+        if op.quota is not None:
+            if usage is None:
+                usage = _Usage(conn, {w.scope for w in writes if type(w) is Save and w.quota}, now)
+            if not usage.admit(op.scope, size, op.quota):
+                op.outcome = "quota"
+                continue
+        rows.append(
+            (
+                op.key,
+                response.digest,
+                response.status,
+                headers,
+                response.body,
+                now,
+                now + op.ttl,
+                wall,
+                op.scope,
+                size,
+            )
+        )
+        op.outcome = "saved"
+    if rows:
+        conn.executemany(_UPSERT_RESPONSE, rows)
+
+
+# What a transaction must write for a counter row.
+_CLEAN, _COUNT, _WINDOW = 0, 1, 2
+
+
+def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
+    # key -> [count, window_start, expires, wall_start, write]; read once per
+    # transaction, written once per transaction, however many hits share a key.
+    rows: dict[str, list[Any]] = {}
+    for chunk in _chunks(list({key for hit in hits for key in hit.keys})):
+        marks = ",".join("?" * len(chunk))
+        for key, count, start, expires, wall_start in conn.execute(
+            "SELECT key, count, window_start, expires, wall_start FROM counters"
+            f" WHERE key IN ({marks})",
+            chunk,
+        ):
+            rows[key] = [count, start, expires, wall_start, _CLEAN]
+    created = 0
+    for hit in hits:
+        current: list[list[Any]] = []
+        allowed = True
+        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+            row = rows.get(key)
+            if row is None or now >= row[2]:
+                # A fresh window, or an elapsed one overwritten in place (the
+                # expired row is pruned on this access, never deleted+inserted).
+                if row is None:
+                    created += 1
+                row = [0, now, now + window, wall, _WINDOW]
+                rows[key] = row
+            if row[0] >= amount:
+                allowed = False
+            current.append(row)
+        if allowed:
+            for row in current:
+                row[0] += 1
+                if row[4] == _CLEAN:
+                    row[4] = _COUNT
+        hit.allowed = allowed
+        hit.counts = [row[0] for row in current]
+        hit.resets = [row[2] - now for row in current]
+        hit.wall = wall
+    windows = [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4] == _WINDOW]
+    counts = [(r[0], key) for key, r in rows.items() if r[4] == _COUNT]
+    if windows:
+        conn.executemany(_UPSERT_COUNTER, windows)
+    if counts:
+        # Within a window only the count changes: leaving the indexed expiry
+        # column alone keeps the index pages out of the commit.
+        conn.executemany("UPDATE counters SET count = ? WHERE key = ?", counts)
+    return created

@@ -1,0 +1,342 @@
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from porch.clock import ManualClock
+from porch.errors import StoreError
+from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
+from porch.store.sqlite import SQLiteStore
+from porch.store.sqlite.claims import KeyLocks, ofd_locks_available
+
+pytestmark = pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+
+
+def test_a_held_key_cannot_be_taken_by_another_opener_until_released(tmp_path: Path) -> None:
+    # Two KeyLocks on one file are two open file descriptions: what two worker
+    # processes are to each other.
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    try:
+        assert mine.try_acquire("order-1")
+        assert not theirs.try_acquire("order-1")
+        assert theirs.try_acquire("order-2")
+        mine.release("order-1")
+        assert theirs.try_acquire("order-1")
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_waiter_blocks_without_spinning_until_release(tmp_path: Path) -> None:
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    assert mine.try_acquire("k")
+    got = threading.Event()
+    cpu: list[float] = []
+
+    def wait() -> None:
+        start = time.thread_time()
+        theirs.acquire("k")
+        cpu.append(time.thread_time() - start)
+        got.set()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        assert not got.wait(0.5)
+        mine.release("k")
+        assert got.wait(5)
+        assert cpu[0] < 0.05  # half a second parked in the kernel, not polling
+    finally:
+        thread.join(5)
+        mine.close()
+        theirs.close()
+
+
+def test_closing_drops_every_lock(tmp_path: Path) -> None:
+    mine, theirs = KeyLocks(tmp_path / "k.locks"), KeyLocks(tmp_path / "k.locks")
+    assert mine.try_acquire("a")
+    assert mine.try_acquire("b")
+    mine.close()
+    assert theirs.try_acquire("a")
+    assert theirs.try_acquire("b")
+    theirs.close()
+
+
+def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "k.locks"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from porch.store.sqlite.claims import KeyLocks;"
+            f"print(KeyLocks({str(path)!r}).try_acquire('k'), flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    locks = KeyLocks(path)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "True"
+        assert not locks.try_acquire("k")
+        holder.kill()
+        holder.wait(5)
+        # No lease to expire: the kernel dropped the lock with the process.
+        assert locks.try_acquire("k")
+    finally:
+        locks.close()
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_offsets_are_stable_and_spread() -> None:
+    assert KeyLocks.offset("a") == KeyLocks.offset("a")
+    assert len({KeyLocks.offset(f"k{i}") for i in range(1000)}) == 1000
+
+
+@pytest.mark.anyio
+async def test_closing_the_store_drops_its_key_locks(tmp_path: Path) -> None:
+    from porch.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    locks = store._claims.locks
+    assert locks is not None
+    assert locks.try_acquire("k")
+    other = KeyLocks(locks.path)
+    try:
+        assert not other.try_acquire("k")
+        await store.close()
+        assert other.try_acquire("k")
+    finally:
+        other.close()
+
+
+# -- the seam's claim ops on SQLite ----------------------------------------------------------
+
+RESPONSE = StoredResponse(b"digest", 201, ((b"content-type", b"text/plain"),), b"created")
+
+
+@pytest.fixture
+async def stores(tmp_path: Path) -> AsyncIterator[tuple[SQLiteStore, SQLiteStore]]:
+    """Two stores on one file: two openers of the lock file, as two processes are."""
+    clock = ManualClock()
+    mine, theirs = SQLiteStore(tmp_path, clock=clock), SQLiteStore(tmp_path, clock=clock)
+    await mine.open()
+    await theirs.open()
+    yield mine, theirs
+    await mine.close()
+    await theirs.close()
+
+
+async def claim(store: SQLiteStore, key: str = "s\x1fk") -> Claim:
+    op = Claim(key)
+    await store.apply([op])
+    return op
+
+
+async def save(
+    store: SQLiteStore,
+    token: int,
+    key: str = "s\x1fk",
+    response: StoredResponse = RESPONSE,
+    quota: Quota | None = None,
+    ttl: float = 60.0,
+) -> Save:
+    op = Save(key, response, ttl, token=token, scope=key.split("\x1f")[0], quota=quota)
+    await store.apply([op])
+    return op
+
+
+@pytest.mark.anyio
+async def test_a_claim_excludes_other_openers_until_saved_then_they_find_the_response(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    first = await claim(mine)
+    assert (first.token > 0, first.held, first.stored) == (True, False, None)
+    other = await claim(theirs)
+    # Held elsewhere; an OFD lock has no lease, so there is nothing to wait out.
+    assert (other.held, other.token, other.retry_after, other.stored) == (True, 0, None, None)
+    assert (await save(mine, first.token)).outcome == "saved"
+    after = await claim(theirs)
+    assert (after.stored, after.token, after.held) == (RESPONSE, 0, False)
+    # Answered from the store: nothing stays claimed.
+    assert (await claim(mine)).stored == RESPONSE
+
+
+@pytest.mark.anyio
+async def test_release_frees_the_key_and_tokens_increase_across_openers(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    first = await claim(mine)
+    release = Release("s\x1fk", first.token)
+    await mine.apply([release])
+    assert release.released
+    second = await claim(theirs)
+    assert second.token > first.token
+    # A stale token releases nothing, and saves nothing.
+    stale = Release("s\x1fk", first.token)
+    await mine.apply([stale])
+    assert not stale.released
+    assert (await claim(mine)).held
+
+
+@pytest.mark.anyio
+async def test_a_save_with_a_stale_token_is_fenced_and_writes_nothing(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    first = await claim(mine)
+    fenced = await save(mine, first.token + 1000)
+    assert fenced.outcome == "fenced"
+    assert (await claim(theirs)).held  # the real claim is untouched
+    assert (await save(mine, first.token)).outcome == "saved"
+    late = await save(mine, first.token, response=StoredResponse(b"digest", 200, (), b"stale"))
+    assert late.outcome == "fenced"
+    assert (await claim(theirs)).stored == RESPONSE
+
+
+def _broken() -> Hit:
+    """A hit whose inputs make the batch fail after its claims and saves were applied."""
+    return Hit(["x"], [1, 2], [1.0])
+
+
+@pytest.mark.anyio
+async def test_a_rolled_back_transaction_ends_the_claims_it_took_and_was_ending(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    taken = Claim("s\x1fa")
+    with pytest.raises(StoreError):
+        await mine.apply([taken, _broken()])
+    assert (await claim(theirs, "s\x1fa")).token > 0
+    held = await claim(mine, "s\x1fb")
+    with pytest.raises(StoreError):
+        await mine.apply([Save("s\x1fb", RESPONSE, 60.0, token=held.token), _broken()])
+    again = await claim(theirs, "s\x1fb")
+    assert (again.token > 0, again.stored) == (True, None)  # ended, nothing stored
+
+
+@pytest.mark.anyio
+async def test_quota_per_scope_counts_live_bytes_only(tmp_path: Path) -> None:
+    clock = ManualClock()
+    store = SQLiteStore(tmp_path, clock=clock)
+    await store.open()
+    try:
+        body = StoredResponse(b"d", 200, (), b"x" * 1000)
+        quota = Quota(scope_bytes=2500, total_bytes=10_000)
+        outcomes = []
+        for i in range(3):
+            c = await claim(store, f"alice\x1f{i}")
+            outcomes.append((await save(store, c.token, f"alice\x1f{i}", body, quota, 30)).outcome)
+        assert outcomes == ["saved", "saved", "quota"]
+        # Over quota: nothing stored, and the claim ended all the same.
+        assert (await claim(store, "alice\x1f2")).token > 0
+        # Another scope has its own allowance.
+        c = await claim(store, "bob\x1f0")
+        assert (await save(store, c.token, "bob\x1f0", body, quota)).outcome == "saved"
+        clock.advance(31)  # alice's rows expired: reclaimed, so they no longer count
+        c = await claim(store, "alice\x1f3")
+        assert (await save(store, c.token, "alice\x1f3", body, quota)).outcome == "saved"
+    finally:
+        await store.close()
+    with sqlite3.connect(store.path) as conn:
+        keys = sorted(k for (k,) in conn.execute("SELECT key FROM responses"))
+        assert keys == ["alice\x1f3", "bob\x1f0"]
+        totals = dict(conn.execute("SELECT scope, bytes FROM response_bytes"))
+        sizes = dict(conn.execute("SELECT scope, SUM(size) FROM responses GROUP BY scope"))
+        assert totals == sizes
+        assert conn.execute("SELECT bytes FROM response_total").fetchone()[0] == sum(sizes.values())
+
+
+@pytest.mark.anyio
+async def test_quota_caps_the_whole_store(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        body = StoredResponse(b"d", 200, (), b"x" * 1000)
+        quota = Quota(scope_bytes=5000, total_bytes=2500)
+        outcomes = []
+        for scope in ("a", "b", "c"):
+            c = await claim(store, f"{scope}\x1fk")
+            outcomes.append((await save(store, c.token, f"{scope}\x1fk", body, quota)).outcome)
+        assert outcomes == ["saved", "saved", "quota"]
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_watch_wakes_when_the_holder_releases_and_cancel_silences_it(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    held = await claim(mine)
+    assert (await claim(theirs)).held
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+    silenced: list[int] = []
+    theirs.claims.watch("s\x1fk", lambda: woken.set_result(None), None)
+    cancel = theirs.claims.watch("s\x1fk", lambda: silenced.append(1), None)
+    cancel()
+    await asyncio.sleep(0.3)
+    assert not woken.done()
+    await mine.apply([Release("s\x1fk", held.token)])
+    await asyncio.wait_for(woken, 10)
+    await asyncio.sleep(0.1)
+    assert silenced == []  # cancelled before the wake: a late wake is a no-op
+    assert (await claim(theirs)).token > 0
+
+
+_HOLDER = """
+import asyncio, sys
+from porch.store.base import Claim
+from porch.store.sqlite import SQLiteStore
+
+async def main():
+    store = SQLiteStore(sys.argv[1])
+    await store.open()
+    claim = Claim("s\\x1fk")
+    await store.apply([claim])
+    print(claim.token, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.anyio
+async def test_a_killed_holder_frees_its_claim_and_wakes_a_watcher(tmp_path: Path) -> None:
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDER, str(tmp_path), stdout=subprocess.PIPE
+    )
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        assert holder.stdout is not None
+        line = await asyncio.wait_for(holder.stdout.readline(), 30)
+        assert int(line) > 0
+        assert (await claim(store)).held
+        woken = asyncio.Event()
+        store.claims.watch("s\x1fk", woken.set, None)
+        await asyncio.sleep(0.5)
+        assert not woken.is_set()  # parked in the kernel while the holder lives
+        holder.kill()  # SIGKILL: no clean-up runs in the holder
+        await asyncio.wait_for(woken.wait(), 10)
+        mine = await claim(store)
+        assert mine.token > int(line)
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
+        await store.close()
