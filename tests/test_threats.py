@@ -4,6 +4,7 @@ code before its fix."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -279,3 +280,97 @@ async def test_a_host_rotating_addresses_in_its_64_is_limited(pool: KeyPool) -> 
         # Two IPv4 hosts behind one NAT64 gateway share a /64 but are two clients.
         assert [(await nat64.get("/")).status_code for _ in range(2)] == [201, 201]
         assert (await other.get("/")).status_code == 201
+
+
+# --- finding 2: fair refusals ---------------------------------------------------------------
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(monotonic=500.0, wall=1_700_000_000.0)
+
+
+@pytest.fixture
+async def small_pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path, clock=clock), size=1, mailbox=4)
+    yield p
+    await p.close()
+
+
+async def test_a_known_refusal_is_answered_without_a_mailbox_slot(
+    small_pool: KeyPool, clock: ManualClock
+) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(orders, pool=small_pool, rules=Rule(Limit(2, 60, name="api")))
+    async with client(app, "10.0.0.1") as flooder, client(app, "10.0.0.2") as other:
+        for _ in range(2):
+            assert (await flooder.get("/")).status_code == 201
+        first = await flooder.get("/")
+        assert first.status_code == 429
+        calls = small_pool.statistics().calls
+        clock.advance(0.5)
+        # 40 at once against a mailbox of 4: none of them queues, so none is a 503.
+        flood = await asyncio.gather(*(flooder.get("/") for _ in range(40)))
+        assert small_pool.statistics().calls == calls
+        assert {r.status_code for r in flood} == {429}
+        assert (await other.get("/")).status_code == 201
+    assert small_pool.statistics().saturations == 0
+    # The remembered refusal says what the store would say now.
+    r = flood[0]
+    assert r.headers["retry-after"] == "60"  # ceil(59.5)
+    assert r.headers["ratelimit"] == '"api";r=0;t=60'
+    assert r.headers["x-ratelimit-remaining"] == "0"
+    assert int(r.headers["x-ratelimit-reset"]) == int(first.headers["x-ratelimit-reset"])
+    assert r.json()["violated"][0]["policy"] == "api"
+    assert orders.calls == 3
+
+
+async def test_a_remembered_refusal_is_asked_again_after_refusal_memory(
+    small_pool: KeyPool, clock: ManualClock, tmp_path: Path
+) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(orders, pool=small_pool, rules=Rule(Limit(1, 60)), refusal_memory=2.0)
+    async with client(app) as c:
+        assert (await c.get("/")).status_code == 201
+        assert (await c.get("/")).status_code == 429
+        calls = small_pool.statistics().calls
+        clock.advance(2.0)
+        # Expired while still over the limit: of 20 at once, one asks the store and the
+        # others wait for its answer instead of taking a mailbox slot each.
+        burst = await asyncio.gather(*(c.get("/") for _ in range(20)))
+        assert {r.status_code for r in burst} == {429}
+        assert small_pool.statistics().calls == calls + 1
+        # An operator resets the counter (porch reset): the memory outlives it by at
+        # most refusal_memory seconds.
+        with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
+            db.execute("DELETE FROM counters")
+        clock.advance(1.9)
+        assert (await c.get("/")).status_code == 429
+        clock.advance(0.1)
+        assert (await c.get("/")).status_code == 201
+    assert small_pool.statistics().saturations == 0
+    assert orders.calls == 2
+
+
+async def test_a_refusal_is_not_remembered_past_its_window(
+    small_pool: KeyPool, clock: ManualClock
+) -> None:
+    orders = Orders()
+    app = RateLimitMiddleware(orders, pool=small_pool, rules=Rule(Limit(1, 2)), refusal_memory=30.0)
+    async with client(app) as c:
+        assert (await c.get("/")).status_code == 201
+        assert (await c.get("/")).status_code == 429
+        clock.advance(2)
+        assert (await c.get("/")).status_code == 201
+
+
+async def test_the_refusal_memory_is_bounded(small_pool: KeyPool) -> None:
+    app = RateLimitMiddleware(
+        Orders(), pool=small_pool, rules=Rule(Limit(1, 60)), refusal_memory_entries=3
+    )
+    for i in range(10):
+        async with client(app, f"10.0.2.{i}") as c:
+            await c.get("/")
+            assert (await c.get("/")).status_code == 429
+    assert app._memory is not None
+    assert len(app._memory) == 3

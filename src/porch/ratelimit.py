@@ -17,16 +17,19 @@ from typing import Any
 
 from ._asgi import adding_headers, pass_through
 from ._types import ASGIApp, Receive, Scope, Send
+from .clock import Clock, SystemClock
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
     PoolClosedError,
+    PorchError,
     SaturatedError,
     StoreError,
 )
 from .eventlog import EventLog
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
+from .refusals import RefusalMemory, Remembered
 from .responses import problem
 from .rules import Limit, Rule, normalize_method
 from .store.base import Hit, StoreOp
@@ -147,6 +150,9 @@ class RateLimitMiddleware:
         fail_open: bool = False,
         on_refused: RefusalFactory = default_refusal,
         retry_after_saturated: int = 1,
+        refusal_memory: float = 1.0,
+        refusal_memory_entries: int = 10_000,
+        clock: Clock | None = None,
     ) -> None:
         rules = (rules,) if isinstance(rules, Rule) else tuple(rules)
         if not rules:
@@ -156,6 +162,12 @@ class RateLimitMiddleware:
         if retry_after_saturated < 1:
             raise ConfigurationError(
                 f"retry_after_saturated must be >= 1 second, got {retry_after_saturated}"
+            )
+        if not (isinstance(refusal_memory, int | float) and 0 <= refusal_memory < math.inf):
+            raise ConfigurationError(f"refusal_memory must be >= 0 seconds, got {refusal_memory}")
+        if refusal_memory_entries < 1:
+            raise ConfigurationError(
+                f"refusal_memory_entries must be >= 1, got {refusal_memory_entries}"
             )
         names = [r.name for r in rules]
         if len(set(names)) != len(names):
@@ -181,6 +193,16 @@ class RateLimitMiddleware:
         if metrics is not None:
             for compiled in self._rules:
                 compiled.counters = metrics.ratelimit(compiled.rule.name)
+        if clock is None:
+            # The store's clock when it has one, so a test's ManualClock moves both.
+            store_clock: Clock | None = getattr(pool.store, "clock", None)
+            clock = store_clock if store_clock is not None else SystemClock()
+        self._clock: Clock = clock
+        self._memory = (
+            RefusalMemory(clock, seconds=refusal_memory, entries=refusal_memory_entries)
+            if refusal_memory > 0 and not dry_run
+            else None
+        )
 
     def _select(self, scope: Scope) -> _CompiledRule | None:
         path: str = scope["path"]
@@ -218,38 +240,35 @@ class RateLimitMiddleware:
             )
             await _bad_forwarding(exc)(scope, receive, send)
             return
-        pool = self.pool
         prefixes = compiled.prefixes
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
-        hit = Hit(keys, compiled.amounts, compiled.windows)
-        try:
-            if not pool.started:
-                await pool.start()
-            future: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
-            pool.submit(client, _HitCall(future, hit))
-            await future
-        except SaturatedError as exc:
-            self._unavailable("saturated", exc, client, compiled, exc.shard)
-            await problem(
-                503,
-                f"rate limiter saturated: {exc}",
-                cause="saturated",
-                headers=[(b"retry-after", self._saturated_retry)],
-            )(scope, receive, send)
+        memory = self._memory
+        hit: Hit | PorchError | None = None
+        if memory is None:
+            hit = await self._ask_store(keys, compiled, client)
+        else:
+            while True:
+                recalled = memory.recall(keys[0])
+                if not isinstance(recalled, asyncio.Future):
+                    break
+                # Another request is asking the store about this client right now.
+                await asyncio.shield(recalled)
+            if recalled is not None:
+                # Known to be over its limit: refused from memory, no mailbox slot taken.
+                clock = self._clock
+                hit = _remembered_hit(recalled, keys, compiled, clock.monotonic(), clock.wall())
+            else:
+                try:
+                    hit = await self._ask_store(keys, compiled, client)
+                finally:
+                    # Before anything else runs: whoever waits for this answer goes on.
+                    if isinstance(hit, Hit) and not hit.allowed:
+                        memory.remember(keys[0], hit.counts, hit.resets)
+                    else:
+                        memory.settle(keys[0])
+        if not isinstance(hit, Hit):
+            await self._failed(hit, scope, receive, send)
             return
-        except (StoreError, PoolClosedError) as exc:
-            self._unavailable("store", exc, client, compiled, None)
-            if self.fail_open:
-                await self.app(scope, receive, send)
-                return
-            await problem(
-                503,
-                "rate limit store unavailable",
-                cause="store",
-                headers=[(b"retry-after", self._saturated_retry)],
-            )(scope, receive, send)
-            return
-
         headers, refusal = _decide(compiled, hit, client)
         counters = compiled.counters
         if refusal is not None:
@@ -263,6 +282,47 @@ class RateLimitMiddleware:
         elif counters is not None:
             counters[0].inc()
         await self.app(scope, receive, adding_headers(send, headers))
+
+    async def _ask_store(
+        self, keys: list[str], compiled: _CompiledRule, client: str
+    ) -> Hit | PorchError:
+        """The store's decision, or the error that kept it from deciding (logged)."""
+        pool = self.pool
+        hit = Hit(keys, compiled.amounts, compiled.windows)
+        try:
+            if not pool.started:
+                await pool.start()
+            future: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
+            pool.submit(client, _HitCall(future, hit))
+            await future
+        except SaturatedError as exc:
+            self._unavailable("saturated", exc, client, compiled, exc.shard)
+            return exc
+        except (StoreError, PoolClosedError) as exc:
+            self._unavailable("store", exc, client, compiled, None)
+            return exc
+        return hit
+
+    async def _failed(
+        self, exc: PorchError | None, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Answer a request the store could not decide: 503, or through if ``fail_open``."""
+        if isinstance(exc, SaturatedError):
+            await problem(
+                503,
+                f"rate limiter saturated: {exc}",
+                cause="saturated",
+                headers=[(b"retry-after", self._saturated_retry)],
+            )(scope, receive, send)
+        elif self.fail_open:
+            await self.app(scope, receive, send)
+        else:
+            await problem(
+                503,
+                "rate limit store unavailable",
+                cause="store",
+                headers=[(b"retry-after", self._saturated_retry)],
+            )(scope, receive, send)
 
     def _log_refusal(self, compiled: _CompiledRule, refusal: Refusal) -> None:
         rule = compiled.rule.name
@@ -313,6 +373,17 @@ class RateLimitMiddleware:
             status=None if passed else 503,
             shard=shard,
         )
+
+
+def _remembered_hit(
+    entry: Remembered, keys: list[str], compiled: _CompiledRule, now: float, wall: float
+) -> Hit:
+    """A refusal answered from memory, as the store would decide it now (allowed=False)."""
+    hit = Hit(keys, compiled.amounts, compiled.windows)
+    hit.counts = entry.counts
+    hit.resets = [max(0.0, end - now) for end in entry.ends]
+    hit.wall = wall
+    return hit
 
 
 def _decide(
