@@ -12,12 +12,12 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from ._asgi import adding_headers, pass_through
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
+from .decisions import CompiledRule as _CompiledRule
+from .decisions import PolicyState, Refusal, decide, remembered_hit
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -29,34 +29,14 @@ from .errors import (
 from .eventlog import EventLog
 from .identity import ClientIdentity, KeyFunc
 from .pool import Call, KeyPool, Shard
-from .refusals import RefusalMemory, Remembered
+from .refusals import RefusalMemory
 from .responses import problem
-from .rules import Limit, Rule, normalize_method
+from .rules import Rule, normalize_method
 from .store.base import Hit, StoreOp
 
 __all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
 
 logger = logging.getLogger("porch.ratelimit")
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyState:
-    """One limit's state after a decision."""
-
-    name: str
-    limit: int
-    window: float
-    remaining: int
-    reset_after: int  # whole seconds until the window ends, >= 1
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """What a refusal factory is told: the client key, violated policies and the retry delay."""
-
-    key: str
-    violated: tuple[PolicyState, ...]
-    retry_after: int
 
 
 RefusalFactory = Callable[[Scope, Refusal], ASGIApp]
@@ -92,38 +72,6 @@ class _HitCall(Call):
     def finish(self, shard: Shard) -> None:
         if not self.future.done():
             self.future.set_result(self.hit)
-
-
-class _CompiledRule:
-    """A rule with everything per-request precomputed (header bytes included)."""
-
-    __slots__ = (
-        "amounts",
-        "counters",
-        "limit_bytes",
-        "limits",
-        "names",
-        "policy_header",
-        "prefixes",
-        "rule",
-        "status_prefixes",
-        "windows",
-    )
-
-    def __init__(self, rule: Rule) -> None:
-        self.rule = rule
-        # (allowed, refused) metric counters, bound once when metrics are configured.
-        self.counters: tuple[Any, Any] | None = None
-        self.limits: tuple[Limit, ...] = rule.limits
-        self.amounts = tuple(limit.amount for limit in rule.limits)
-        self.windows = tuple(float(limit.window) for limit in rule.limits)
-        self.names = tuple(limit.name for limit in rule.limits)
-        self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in rule.limits)
-        self.limit_bytes = tuple(str(limit.amount).encode("ascii") for limit in rule.limits)
-        self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in rule.limits)
-        self.policy_header = ", ".join(
-            f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
-        ).encode("ascii")
 
 
 class RateLimitMiddleware:
@@ -256,7 +204,7 @@ class RateLimitMiddleware:
             if recalled is not None:
                 # Known to be over its limit: refused from memory, no mailbox slot taken.
                 clock = self._clock
-                hit = _remembered_hit(recalled, keys, compiled, clock.monotonic(), clock.wall())
+                hit = remembered_hit(recalled, keys, compiled, clock.monotonic(), clock.wall())
             else:
                 try:
                     hit = await self._ask_store(keys, compiled, client)
@@ -269,7 +217,7 @@ class RateLimitMiddleware:
         if not isinstance(hit, Hit):
             await self._failed(hit, scope, receive, send)
             return
-        headers, refusal = _decide(compiled, hit, client)
+        headers, refusal = decide(compiled, hit, client)
         counters = compiled.counters
         if refusal is not None:
             if counters is not None:
@@ -373,67 +321,3 @@ class RateLimitMiddleware:
             status=None if passed else 503,
             shard=shard,
         )
-
-
-def _remembered_hit(
-    entry: Remembered, keys: list[str], compiled: _CompiledRule, now: float, wall: float
-) -> Hit:
-    """A refusal answered from memory, as the store would decide it now (allowed=False)."""
-    hit = Hit(keys, compiled.amounts, compiled.windows)
-    hit.counts = entry.counts
-    hit.resets = [max(0.0, end - now) for end in entry.ends]
-    hit.wall = wall
-    return hit
-
-
-def _decide(
-    compiled: _CompiledRule, hit: Hit, client: str
-) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
-    """The response headers for a decision, and the refusal if the hit was refused."""
-    amounts = compiled.amounts
-    counts = hit.counts
-    resets = hit.resets
-    n = len(amounts)
-    # ceil: never tell a client a window ends earlier than it does.
-    if n == 1 and hit.allowed:  # the common case: one limit, no choosing, no refusal
-        left = amounts[0] - counts[0]
-        return [
-            (b"x-ratelimit-limit", compiled.limit_bytes[0]),
-            (b"x-ratelimit-remaining", b"%d" % left),
-            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[0])),
-            (b"ratelimit-policy", compiled.policy_header),
-            (
-                b"ratelimit",
-                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(resets[0]) or 1),
-            ),
-        ], None
-    if n == 1:
-        i = 0
-        remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
-        t = [math.ceil(resets[0]) or 1]
-        status = compiled.status_prefixes[0] + b"%d;t=%d" % (remaining[0], t[0])
-    else:
-        remaining = [max(0, amounts[j] - counts[j]) for j in range(n)]
-        t = [max(1, math.ceil(r)) for r in resets]
-        # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
-        i = min(range(n), key=lambda j: (remaining[j], -t[j]))
-        status = b", ".join(
-            compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
-        )
-    headers = [
-        (b"x-ratelimit-limit", compiled.limit_bytes[i]),
-        (b"x-ratelimit-remaining", b"%d" % remaining[i]),
-        (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
-        (b"ratelimit-policy", compiled.policy_header),
-        (b"ratelimit", status),
-    ]
-    if hit.allowed:
-        return headers, None
-    violated = tuple(
-        PolicyState(compiled.names[j], amounts[j], compiled.windows[j], 0, t[j])
-        for j in range(n)
-        if counts[j] >= amounts[j]
-    )
-    retry_after = max(p.reset_after for p in violated)
-    headers.append((b"retry-after", b"%d" % retry_after))
-    return headers, Refusal(client, violated, retry_after)

@@ -1,0 +1,133 @@
+"""A rate-limit decision as the client sees it: the headers, and the refusal if refused.
+
+Shared by decisions the store takes and refusals answered from memory
+(:mod:`porch.refusals`), so both say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .refusals import Remembered
+from .rules import Limit, Rule
+from .store.base import Hit
+
+__all__ = ["CompiledRule", "PolicyState", "Refusal", "decide", "remembered_hit"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """One limit's state after a decision."""
+
+    name: str
+    limit: int
+    window: float
+    remaining: int
+    reset_after: int  # whole seconds until the window ends, >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What a refusal factory is told: the client key, violated policies and the retry delay."""
+
+    key: str
+    violated: tuple[PolicyState, ...]
+    retry_after: int
+
+
+class CompiledRule:
+    """A rule with everything per-request precomputed (header bytes included)."""
+
+    __slots__ = (
+        "amounts",
+        "counters",
+        "limit_bytes",
+        "limits",
+        "names",
+        "policy_header",
+        "prefixes",
+        "rule",
+        "status_prefixes",
+        "windows",
+    )
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        # (allowed, refused) metric counters, bound once when metrics are configured.
+        self.counters: tuple[Any, Any] | None = None
+        self.limits: tuple[Limit, ...] = rule.limits
+        self.amounts = tuple(limit.amount for limit in rule.limits)
+        self.windows = tuple(float(limit.window) for limit in rule.limits)
+        self.names = tuple(limit.name for limit in rule.limits)
+        self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in rule.limits)
+        self.limit_bytes = tuple(str(limit.amount).encode("ascii") for limit in rule.limits)
+        self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in rule.limits)
+        self.policy_header = ", ".join(
+            f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
+        ).encode("ascii")
+
+
+def remembered_hit(
+    entry: Remembered, keys: list[str], compiled: CompiledRule, now: float, wall: float
+) -> Hit:
+    """A refusal answered from memory, as the store would decide it now (allowed=False)."""
+    hit = Hit(keys, compiled.amounts, compiled.windows)
+    hit.counts = entry.counts
+    hit.resets = [max(0.0, end - now) for end in entry.ends]
+    hit.wall = wall
+    return hit
+
+
+def decide(
+    compiled: CompiledRule, hit: Hit, client: str
+) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
+    """The response headers for a decision, and the refusal if the hit was refused."""
+    amounts = compiled.amounts
+    counts = hit.counts
+    resets = hit.resets
+    n = len(amounts)
+    # ceil: never tell a client a window ends earlier than it does.
+    if n == 1 and hit.allowed:  # the common case: one limit, no choosing, no refusal
+        left = amounts[0] - counts[0]
+        return [
+            (b"x-ratelimit-limit", compiled.limit_bytes[0]),
+            (b"x-ratelimit-remaining", b"%d" % left),
+            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[0])),
+            (b"ratelimit-policy", compiled.policy_header),
+            (
+                b"ratelimit",
+                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(resets[0]) or 1),
+            ),
+        ], None
+    if n == 1:
+        i = 0
+        remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
+        t = [math.ceil(resets[0]) or 1]
+        status = compiled.status_prefixes[0] + b"%d;t=%d" % (remaining[0], t[0])
+    else:
+        remaining = [max(0, amounts[j] - counts[j]) for j in range(n)]
+        t = [max(1, math.ceil(r)) for r in resets]
+        # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
+        i = min(range(n), key=lambda j: (remaining[j], -t[j]))
+        status = b", ".join(
+            compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
+        )
+    headers = [
+        (b"x-ratelimit-limit", compiled.limit_bytes[i]),
+        (b"x-ratelimit-remaining", b"%d" % remaining[i]),
+        (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
+        (b"ratelimit-policy", compiled.policy_header),
+        (b"ratelimit", status),
+    ]
+    if hit.allowed:
+        return headers, None
+    violated = tuple(
+        PolicyState(compiled.names[j], amounts[j], compiled.windows[j], 0, t[j])
+        for j in range(n)
+        if counts[j] >= amounts[j]
+    )
+    retry_after = max(p.reset_after for p in violated)
+    headers.append((b"retry-after", b"%d" % retry_after))
+    return headers, Refusal(client, violated, retry_after)
