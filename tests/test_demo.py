@@ -129,3 +129,71 @@ def test_demo_rejects_bad_options(
 ) -> None:
     assert main(["demo", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_store_url_holds_counters_and_responses_data_dir_the_orders(tmp_path: Path) -> None:
+    import sqlite3
+
+    shared = tmp_path / "shared" / "store.sqlite3"
+    hosts = [
+        create_app(DemoConfig(data_dir=str(tmp_path / name), limit=4, store=f"sqlite:///{shared}"))
+        for name in ("a", "b")
+    ]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=("10.0.0.7", 1234)),
+            base_url="http://demo",
+        )
+        for app in hosts
+    ]
+    try:
+        key = {"idempotency-key": "order-1"}
+        first = await clients[0].post("/orders", json={"item": "tea", "qty": 1}, headers=key)
+        again = await clients[1].post("/orders", json={"item": "tea", "qty": 1}, headers=key)
+        assert first.status_code == again.status_code == 201
+        assert again.headers["idempotent-replayed"] == "true"  # stored in the shared store
+        assert again.content == first.content
+        # Orders are each host's own: host a has one, host b none.
+        listed = [await c.get("/orders") for c in clients]
+        assert [r.json()["count"] for r in listed] == [1, 0]
+        # Both hosts counted against one limit of 4: the fifth request is refused.
+        assert (await clients[1].get("/products")).status_code == 429
+    finally:
+        for c in clients:
+            await c.aclose()
+        for app in hosts:
+            await app.state.pool.close()
+    assert not (tmp_path / "a" / "porch.sqlite3").exists()
+    with sqlite3.connect(shared) as conn:
+        assert conn.execute("SELECT count(*) FROM responses").fetchone()[0] == 1
+    with sqlite3.connect(tmp_path / "a" / "orders.sqlite3") as conn:
+        assert conn.execute("SELECT count(*) FROM orders").fetchone()[0] == 1
+    with sqlite3.connect(tmp_path / "b" / "orders.sqlite3") as conn:
+        assert conn.execute("SELECT count(*) FROM orders").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://localhost/shop", "unknown store URL scheme 'mysql'"),
+        ("nonsense", "a store URL needs a scheme"),
+        ("sqlite://host/x.sqlite3", "no host, query or fragment"),
+    ],
+)
+def test_demo_rejects_a_bad_store_url_without_a_traceback(
+    url: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_demo_names_the_extra_when_the_driver_is_missing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "porch.store.postgres", None)
+    assert main(["demo", "--store", "postgresql://porch@127.0.0.1:5432/porch"]) == 2
+    assert "pip install 'porch[postgres]'" in capsys.readouterr().err

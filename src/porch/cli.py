@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -15,10 +16,23 @@ __all__ = ["main"]
 
 
 def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="serve the storefront demo on the embedded SQLite store")
+    p = sub.add_parser(
+        "demo", help="serve the storefront demo (SQLite, or the store --store names)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--data-dir", default="./porch-data")
+    p.add_argument(
+        "--data-dir",
+        default="./porch-data",
+        help="this host's orders; also counters and stored responses unless --store is given",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="counters and stored responses in this store: sqlite:///path/file.sqlite3,"
+        " postgresql://user@host:port/db, redis://host:port/db (shared by several hosts)",
+    )
     p.add_argument("--limit", type=int, default=60, help="requests per window per client")
     p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
     p.add_argument("--pool-size", type=int, default=4, help="shard actors in the key pool")
@@ -64,7 +78,6 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import CONFIG_ENV, DemoConfig
     from .pool import KeyPool
     from .rules import Limit
-    from .store.sqlite import SQLiteStore
 
     try:
         config = DemoConfig(
@@ -79,11 +92,12 @@ def _demo(args: argparse.Namespace) -> int:
             trust_proxy_hops=args.trust_proxy_hops,
             workers=args.workers,
             durability=args.durability,
+            store=args.store,
         )
         # Validate everything once here, so a bad flag is a message, not a worker traceback.
         Limit(config.limit, config.window)
-        KeyPool(SQLiteStore(config.data_dir), size=config.pool_size, mailbox=config.mailbox)
-    except ConfigurationError as exc:
+        KeyPool(config.open_store(), size=config.pool_size, mailbox=config.mailbox)
+    except (ConfigurationError, ValueError) as exc:
         print(f"porch demo: {exc}", file=sys.stderr)
         return 2
     os.environ[CONFIG_ENV] = config.to_env()
@@ -92,10 +106,12 @@ def _demo(args: argparse.Namespace) -> int:
         # Every worker writes its metrics here; GET /metrics on any of them sums them all.
         metrics_dir = tempfile.mkdtemp(prefix="porch-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    where = f"orders in {os.path.abspath(config.data_dir)}, store {config.store}"
+    if config.store is None:
+        where = f"data in {os.path.abspath(config.data_dir)}"
     print(
         f"porch demo serving on http://{config.host}:{config.port} "
-        f"(data in {os.path.abspath(config.data_dir)}, limit {config.limit} per "
-        f"{config.window:g}s per client)",
+        f"({_redacted(where)}, limit {config.limit} per {config.window:g}s per client)",
         flush=True,
     )
     try:
@@ -115,6 +131,11 @@ def _demo(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _redacted(text: str) -> str:
+    """``text`` with the password of any URL in it replaced (startup lines end up in logs)."""
+    return re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,8 +1,11 @@
-"""The storefront demo: a small shop API protected by porch on the embedded SQLite store.
+"""The storefront demo: a small shop API protected by porch.
 
 ``porch demo`` serves it with uvicorn. The app is built by :func:`create_app`
 from a :class:`DemoConfig`; worker processes rebuild it from the config that
-the CLI passes in the environment.
+the CLI passes in the environment. Counters and stored responses live in
+``<data-dir>/porch.sqlite3`` by default, or in the store ``--store URL`` names
+(shared by several demo processes: several hosts); the shop's own orders are
+always this host's, in ``<data-dir>/orders.sqlite3``.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from .pool import KeyPool
 from .ratelimit import RateLimitMiddleware
 from .responses import problem
 from .rules import Limit, Rule
+from .store import SQLiteStore, Store, open_store
 from .store.base import Durability
-from .store.sqlite import SQLiteStore
 
 __all__ = ["DemoConfig", "create_app", "create_app_from_env"]
 
@@ -75,6 +78,7 @@ class DemoConfig:
     trust_proxy_hops: int = 0
     workers: int = 1
     durability: Durability = "process"
+    store: str | None = None  # a store URL (see porch.open_store); None: SQLite in data_dir
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -89,6 +93,18 @@ class DemoConfig:
             )
         if self.workers < 1:
             raise ConfigurationError(f"--workers must be >= 1, got {self.workers}")
+
+    def open_store(self) -> Store:
+        """The store for counters and stored responses (not opened yet).
+
+        ``--durability`` is the SQLite store's setting; a network store keeps its
+        server's own durability.
+        """
+        if self.store is None:
+            return SQLiteStore(self.data_dir, durability=self.durability)
+        if self.store.lower().startswith("sqlite:"):
+            return open_store(self.store, durability=self.durability)
+        return open_store(self.store)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -283,8 +299,9 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         ],
         lifespan=lifespan,
     )
-    store = SQLiteStore(data, durability=config.durability)
-    pool = KeyPool(store, size=config.pool_size, mailbox=config.mailbox, metrics=metrics)
+    pool = KeyPool(
+        config.open_store(), size=config.pool_size, mailbox=config.mailbox, metrics=metrics
+    )
     # One identity for both: an anonymous caller's keys are scoped to the client the
     # limiter counts, so no two clients see each other's keys.
     identity = ClientIdentity(trust_hops=config.trust_proxy_hops)

@@ -44,7 +44,6 @@ _UPSERT_RESPONSE = (
     " expires = excluded.expires, stored_wall = excluded.stored_wall,"
     " scope = excluded.scope, size = excluded.size"
 )
-_PRUNE_SCOPE = "DELETE FROM responses WHERE scope = ? AND expires <= ?"
 _PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
 _SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
 
@@ -181,7 +180,7 @@ class _Usage:
             ):
                 self.scopes[scope] = int(used)
         self.total = self._read_total()
-        self.pruned: set[str | None] = set()
+        self.pruned = False
 
     def _read_total(self) -> int:
         return int(self.conn.execute("SELECT bytes FROM response_total").fetchone()[0])
@@ -197,15 +196,20 @@ class _Usage:
 
     def admit(self, scope: str, size: int, quota: Quota) -> bool:
         """Whether ``size`` more bytes fit; expired rows are reclaimed before saying no."""
-        if self.scopes[scope] + size > quota.scope_bytes and scope not in self.pruned:
-            self.pruned.add(scope)
-            self.conn.execute(_PRUNE_SCOPE, (scope, self.now))
-            self._reread()
-        if self.total + size > quota.total_bytes and None not in self.pruned:
-            self.pruned.add(None)
+        over = (
+            self.scopes[scope] + size > quota.scope_bytes or self.total + size > quota.total_bytes
+        )
+        if over and not self.pruned:
+            # Every expired row goes (through the expiry index), once per transaction:
+            # each row is deleted once, so a client at its quota cannot make this costly.
+            self.pruned = True
             self.conn.execute(_PRUNE_ALL_EXPIRED, (self.now,))
             self._reread()
-        if self.scopes[scope] + size > quota.scope_bytes or self.total + size > quota.total_bytes:
+            over = (
+                self.scopes[scope] + size > quota.scope_bytes
+                or self.total + size > quota.total_bytes
+            )
+        if over:
             return False
         self.scopes[scope] += size
         self.total += size

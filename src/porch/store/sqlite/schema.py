@@ -50,7 +50,9 @@ _MIGRATIONS: tuple[str, ...] = (
     # 3: fence tokens for claims; stored bytes per caller scope and in total, for quotas.
     # Existing rows get the scope their key starts with (scope + US + key) and their size.
     # Triggers keep the running totals exact on every insert, update and delete
-    # (saves, pruning, expiry on touch), so a quota check reads two rows.
+    # (saves, pruning, expiry on touch), so a quota check reads two rows. No index
+    # on scope: it cost more on every save than it saves on the rare reclaim,
+    # which deletes every expired row through responses_expires instead.
     """
     INSERT INTO porch_meta (name, value) VALUES ('claim_token', '0');
     ALTER TABLE responses ADD COLUMN scope TEXT NOT NULL DEFAULT '';
@@ -60,7 +62,6 @@ _MIGRATIONS: tuple[str, ...] = (
                 THEN substr(key, 1, instr(key, char(31)) - 1) ELSE '' END,
         size = length(CAST(key AS BLOB)) + length(digest) + length(CAST(headers AS BLOB))
                + length(body);
-    CREATE INDEX responses_scope ON responses (scope, expires);
     CREATE TABLE response_bytes (
         scope TEXT PRIMARY KEY,
         bytes INTEGER NOT NULL
