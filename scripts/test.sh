@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # Lint, type-check and run the whole suite: ./scripts/test.sh [pytest options]
 source "$(dirname "$0")/_env.sh"
+# apt_install PACKAGE... : install with apt as root (after an update if the lists are stale).
+apt_install() {
+    apt-get install -y -qq "$@" >/dev/null 2>&1 || \
+        (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "$@" >/dev/null 2>&1)
+}
+CAN_APT=""
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then CAN_APT=1; fi
 # The wall-clock leg of the gate moves a real server's clock with libfaketime.
-if ! command -v faketime >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+if ! command -v faketime >/dev/null 2>&1 && [ -n "$CAN_APT" ]; then
     echo "installing faketime (apt) for the wall-clock leg" >&2
-    (apt-get install -y -qq faketime >/dev/null 2>&1 || \
-        (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq faketime >/dev/null 2>&1)) || \
-        echo "could not install faketime; that leg will be skipped" >&2
+    apt_install faketime || echo "could not install faketime; that leg will be skipped" >&2
+fi
+# The PostgreSQL and Redis stores are tested against real servers (tests/servers.py
+# starts throwaway ones); without them those tests skip, or fail under PORCH_REQUIRE_BACKENDS.
+if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null && ! command -v initdb >/dev/null \
+    && [ -n "$CAN_APT" ]; then
+    echo "installing postgresql (apt) for the PostgreSQL store's tests" >&2
+    apt_install postgresql || echo "could not install postgresql; its tests will not run" >&2
+fi
+if ! command -v redis-server >/dev/null 2>&1 && [ -n "$CAN_APT" ]; then
+    echo "installing redis-server (apt) for the Redis store's tests" >&2
+    apt_install redis-server || echo "could not install redis-server; its tests will not run" >&2
 fi
 echo "== ruff" >&2
 ruff check src tests benchmarks

@@ -1,0 +1,366 @@
+"""Throwaway PostgreSQL and Redis servers on loopback, for the tests that need a real one.
+
+A plain module (tests/conftest.py loads it with ``pytest_plugins``), so any test
+can ask for the session fixtures ``postgres_url`` / ``redis_url`` or start a
+server of its own for a failure leg::
+
+    with running_redis(appendonly=True) as server:   # a RedisServer
+        server.freeze(); ...; server.thaw()
+        server.stop(); ...; server.start()
+
+``PORCH_TEST_POSTGRES_URL`` / ``PORCH_TEST_REDIS_URL`` point the session fixtures
+at an existing server instead. Without the server binaries the tests skip, unless
+``PORCH_REQUIRE_BACKENDS`` (a comma list, set by .ci/run; all three when ``CI=true``)
+names the backend: then they fail, so CI never goes green by skipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+__all__ = [
+    "PostgresServer",
+    "RedisServer",
+    "free_port",
+    "missing_backend",
+    "postgres_bin",
+    "postgres_url",
+    "redis_url",
+    "required_backends",
+    "running_postgres",
+    "running_redis",
+]
+
+_START_TIMEOUT = 30.0  # a loaded CI machine; initdb + start takes 1-4 s when quiet
+
+
+_ALL_BACKENDS = "sqlite,postgres,redis"
+
+
+def required_backends() -> set[str]:
+    """The backends that must run (never skip): PORCH_REQUIRE_BACKENDS, or all of them on CI.
+
+    A CI runner sets ``CI=true``; there, unless PORCH_REQUIRE_BACKENDS says otherwise
+    (an empty value requires none), a missing server is a failure too.
+    """
+    default = _ALL_BACKENDS if os.environ.get("CI", "").lower() in ("true", "1") else ""
+    raw = os.environ.get("PORCH_REQUIRE_BACKENDS", default)
+    return {name.strip().lower() for name in raw.split(",") if name.strip()}
+
+
+def missing_backend(backend: str, why: str) -> NoReturn:
+    """Skip the test for lack of ``backend`` — or fail it, if CI requires that backend."""
+    if backend in required_backends():
+        pytest.fail(f"{backend} is required (PORCH_REQUIRE_BACKENDS) but {why}", pytrace=False)
+    pytest.skip(f"{backend}: {why}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the server binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc (a PostgreSQL backend per connection)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_port(port: int, timeout: float, alive: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited while starting")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+# -- PostgreSQL ------------------------------------------------------------------
+
+
+def postgres_bin() -> Path | None:
+    """The newest /usr/lib/postgresql/*/bin holding initdb and pg_ctl (or on PATH)."""
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+    )
+    for directory in reversed(candidates):
+        if (Path(directory) / "initdb").exists() and (Path(directory) / "pg_ctl").exists():
+            return Path(directory)
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb and shutil.which("pg_ctl") else None
+
+
+class PostgresServer:
+    """A throwaway cluster in a temp dir: initdb once, then stop/start/freeze/thaw at will.
+
+    initdb and pg_ctl refuse to run as root, so as root they run as the
+    ``postgres`` OS user (the apt package creates it), owning the temp dir.
+    fsync is off (a test cluster needs no crash safety against power loss) but
+    ``synchronous_commit`` keeps its default: a commit still waits for the WAL write.
+    """
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.dir = Path(tempfile.mkdtemp(prefix="porch-pg-"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        self.port = 0
+        self._user: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            try:
+                account = pwd.getpwnam("postgres")
+            except KeyError:
+                raise RuntimeError("running as root and there is no 'postgres' user") from None
+            os.chown(self.dir, account.pw_uid, account.pw_gid)
+            self._user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+        self._run(
+            "initdb", "--no-sync", "-A", "trust", "-U", "postgres", "-E", "UTF8", "-D", self.data
+        )
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def pid(self) -> int:
+        """The postmaster's pid (0 when stopped)."""
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def _run(self, tool: str, *args: object) -> None:
+        command = [str(self.bindir / tool), *map(str, args)]
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT,
+            check=False,
+            **self._user,
+        )
+        if done.returncode != 0:
+            log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr.strip()}\n{log}")
+
+    def start(self) -> None:
+        """Start the server (a free port the first time, the same port after a stop)."""
+        attempts = 3 if self.port == 0 else 1
+        for attempt in range(attempts):
+            port = self.port or free_port()
+            options = (
+                f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={self.dir}"
+                " -c fsync=off -c full_page_writes=off -c max_connections=200"
+            )
+            try:
+                self._run("pg_ctl", "-D", self.data, "-l", self.log, "-o", options, "-w", "start")
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                continue  # the port was taken meanwhile: another one
+            self.port = port
+            return
+
+    def stop(self) -> None:
+        """Stop at once (``-m immediate``: like a crash, recovery replays the WAL at start)."""
+        if self.pid:
+            self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: connections stay open, nothing answers."""
+        pid = self.pid
+        _signal([pid], signal.SIGSTOP)  # first, so it forks no new backend meanwhile
+        _signal(_children(pid), signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        pid = self.pid
+        _signal(_children(pid), signal.SIGCONT)
+        _signal([pid], signal.SIGCONT)
+
+    def remove(self) -> None:
+        with contextlib.suppress(Exception):
+            self.thaw()
+        with contextlib.suppress(Exception):
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of the caller's own (skips or fails when it cannot exist)."""
+    bindir = postgres_bin()
+    if bindir is None:
+        missing_backend("postgres", "no PostgreSQL server binaries (initdb, pg_ctl) found")
+    server = PostgresServer(bindir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL URL for the whole session: PORCH_TEST_POSTGRES_URL, or a throwaway cluster."""
+    external = os.environ.get("PORCH_TEST_POSTGRES_URL")
+    if external:
+        yield external
+        return
+    with running_postgres() as server:
+        yield server.url
+
+
+# -- Redis -------------------------------------------------------------------------
+
+
+class RedisServer:
+    """A redis-server on a free loopback port with its dir in a temp dir.
+
+    Without ``appendonly`` nothing is persisted (``--save ""``): the unit tests'
+    default. ``appendonly=True`` keeps an AOF with ``appendfsync`` as given, so a
+    stop/start (or kill -9) leg sees what survives.
+    """
+
+    def __init__(
+        self, binary: str, *, appendonly: bool = False, appendfsync: str = "everysec"
+    ) -> None:
+        self.binary = binary
+        self.dir = Path(tempfile.mkdtemp(prefix="porch-redis-"))
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        """The server's pid (0 when stopped)."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else 0
+
+    def _command(self, port: int) -> list[str]:
+        return [
+            self.binary,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
+            "--daemonize", "no",
+            "--logfile", str(self.dir / "server.log"),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        """Start the server (a free port the first time, the same port after a stop)."""
+        attempts = 3 if self.port == 0 else 1
+        for attempt in range(attempts):
+            port = self.port or free_port()
+            process = subprocess.Popen(
+                self._command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                _wait_port(port, _START_TIMEOUT, lambda p=process: p.poll() is None)
+            except RuntimeError:
+                process.kill()
+                process.wait()
+                if attempt == attempts - 1:
+                    log = self.dir / "server.log"
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    raise RuntimeError(
+                        f"redis-server did not start on port {port}\n{tail}"
+                    ) from None
+                continue
+            self._process = process
+            self.port = port
+            return
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (Redis flushes its AOF and exits), or SIGKILL with ``kill=True``."""
+        process = self._process
+        if process is None:
+            return
+        self._process = None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)  # a frozen server cannot exit
+            process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                process.wait(timeout=_START_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections stay open, nothing answers."""
+        _signal([self.pid], signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        _signal([self.pid], signal.SIGCONT)
+
+    def remove(self) -> None:
+        self.stop(kill=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_redis(
+    *, appendonly: bool = False, appendfsync: str = "everysec"
+) -> Iterator[RedisServer]:
+    """A redis-server of the caller's own (skips or fails when there is no binary)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        missing_backend("redis", "no redis-server binary on PATH")
+    server = RedisServer(binary, appendonly=appendonly, appendfsync=appendfsync)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis URL for the whole session: PORCH_TEST_REDIS_URL, or a throwaway redis-server."""
+    external = os.environ.get("PORCH_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    with running_redis() as server:
+        yield server.url

@@ -1,0 +1,209 @@
+"""One fresh, isolated store per test, for every backend the conformance suite runs on.
+
+``backend`` is parametrised over ``sqlite`` / ``postgres`` / ``redis`` (each
+with its marker, so ``-m redis`` runs one engine). SQLite gets a temp dir and
+a :class:`ManualClock`; PostgreSQL a schema of its own on the session server;
+Redis a key prefix of its own. A backend whose store module does not exist yet
+is skipped; one whose server cannot be started skips or fails as
+``tests/servers.py`` decides (PORCH_REQUIRE_BACKENDS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from porch.clock import ManualClock
+from porch.pool import KeyPool
+from porch.store.base import Store
+
+_MODULES = {
+    "sqlite": ("porch.store.sqlite", "SQLiteStore"),
+    "postgres": ("porch.store.postgres", "PostgresStore"),
+    "redis": ("porch.store.redis", "RedisStore"),
+}
+HOLDER = Path(__file__).with_name("holder.py")
+
+
+class Backend:
+    """Opens stores on one isolated piece of backing data, and closes them at teardown."""
+
+    def __init__(
+        self,
+        name: str,
+        factory: Any,
+        target: Any,
+        isolation: dict[str, Any],
+        url: str,
+        clock: ManualClock | None,
+    ) -> None:
+        self.name = name
+        self._factory = factory
+        self._target = target  # the directory (SQLite) or the server URL
+        self.isolation = isolation  # schema / prefix options: the same data for every store
+        self.url = url  # for porch.open_store in a subprocess
+        self.clock = clock
+        self.leases = name != "sqlite"
+        self.stores: list[Store] = []
+        self.holders: list[Holder] = []
+        self.pools: list[KeyPool] = []
+
+    def lease(self, seconds: float) -> dict[str, Any]:
+        """The option giving a store's claims a lease of ``seconds`` (none for SQLite)."""
+        return {"lease": seconds} if self.leases else {}
+
+    async def store(self, **options: Any) -> Store:
+        """A newly opened store on this test's data: another 'process' or 'host'."""
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        store: Store = self._factory(self._target, **self.isolation, **options)
+        await store.open()
+        self.stores.append(store)
+        return store
+
+    async def pool(self, *, size: int = 4, **options: Any) -> KeyPool:
+        """A started key pool over a store of its own (closed, with its store, at teardown)."""
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        pool = KeyPool(self._factory(self._target, **self.isolation, **options), size=size)
+        await pool.start()
+        self.pools.append(pool)
+        return pool
+
+    async def elapse(self, seconds: float) -> None:
+        """Let time pass: the ManualClock for SQLite, real time on a server's clock."""
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)
+
+    @property
+    def tolerance(self) -> float:
+        """How far a server-clock reading may be off an exact figure on a loaded machine."""
+        return 1e-9 if self.clock is not None else 0.3
+
+    async def holder(self, key: str, **options: Any) -> Holder:
+        """A separate process that opens this data from a URL and claims ``key``."""
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(HOLDER),
+            self.url,
+            json.dumps({**self.isolation, **options}),
+            key,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        holder = Holder(process)
+        self.holders.append(holder)
+        holder.claim = await holder.read()
+        return holder
+
+    async def close(self) -> None:
+        for holder in self.holders:
+            await holder.kill()
+        for pool in self.pools:
+            await pool.close()
+        for store in self.stores:
+            await store.close()
+
+
+class Holder:
+    """The holder subprocess: it claimed a key; tell it to save or release; kill it."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.claim: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def token(self) -> int:
+        return int(self.claim["token"])
+
+    async def read(self, within: float = 20.0) -> dict[str, Any]:
+        stdout = self.process.stdout
+        if stdout is None:  # pragma: no cover - always piped
+            raise RuntimeError("no stdout")
+        line = await asyncio.wait_for(stdout.readline(), within)
+        if not line:
+            raise RuntimeError(f"the holder exited ({await self.process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    async def send(self, command: str) -> dict[str, Any]:
+        stdin = self.process.stdin
+        if stdin is None:  # pragma: no cover - always piped
+            raise RuntimeError("no stdin")
+        stdin.write(command.encode() + b"\n")
+        await stdin.drain()
+        return await self.read()
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+
+
+async def _drop_schema(url: str, schema: str) -> None:
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def _drop_prefix(url: str, prefix: str) -> None:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", marks=pytest.mark.sqlite),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("redis", marks=pytest.mark.redis),
+    ]
+)
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    name: str = request.param
+    module_name, class_name = _MODULES[name]
+    if importlib.util.find_spec(module_name) is None:
+        pytest.skip(f"{module_name} does not exist yet")
+    factory = getattr(importlib.import_module(module_name), class_name)
+    tag = uuid.uuid4().hex[:12]
+    backend: Backend
+    if name == "sqlite":
+        clock = ManualClock(monotonic=1000.0, wall=1_700_000_000.0, boot_id="conformance")
+        url = f"sqlite:///{tmp_path}/porch.sqlite3"
+        backend = Backend(name, factory, tmp_path, {}, url, clock)
+    elif name == "postgres":
+        server: str = request.getfixturevalue("postgres_url")
+        backend = Backend(name, factory, server, {"schema": f"porch_t{tag}"}, server, None)
+    else:
+        server = request.getfixturevalue("redis_url")
+        backend = Backend(name, factory, server, {"prefix": f"porch-t{tag}:"}, server, None)
+    try:
+        yield backend
+    finally:
+        await backend.close()
+        if name == "postgres":
+            await _drop_schema(backend.url, backend.isolation["schema"])
+        elif name == "redis":
+            await _drop_prefix(backend.url, backend.isolation["prefix"])

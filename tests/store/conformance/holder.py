@@ -1,0 +1,54 @@
+"""A claim holder in a process of its own: ``holder.py URL OPTIONS_JSON KEY``.
+
+Opens the store with ``porch.open_store(URL, **OPTIONS)``, claims KEY and
+prints the claim as one JSON line. Then, one command per stdin line, answering
+each with one JSON line: ``save TTL BODY`` (store a 201 with BODY, fenced by
+the claim's token), ``release``, ``exit``. The tests kill it (-9) or freeze it
+(SIGSTOP) in between; while it waits for a command it costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import porch
+from porch.store.base import Claim, Release, Save, StoredResponse
+
+
+def say(**fields: object) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+async def main(url: str, options: dict[str, object], key: str) -> None:
+    store = porch.open_store(url, **options)
+    await store.open()
+    try:
+        claim = Claim(key)
+        await store.apply([claim])
+        say(pid=os.getpid(), token=claim.token, held=claim.held, stored=claim.stored is not None)
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            command, _, rest = line.strip().partition(" ")
+            if command == "save":
+                ttl, _, body = rest.partition(" ")
+                response = StoredResponse(b"holder-digest", 201, (), body.encode())
+                save = Save(key, response, float(ttl), token=claim.token)
+                await store.apply([save])
+                say(outcome=save.outcome)
+            elif command == "release":
+                release = Release(key, claim.token)
+                await store.apply([release])
+                say(released=release.released)
+            else:  # "exit", or stdin closed
+                break
+    finally:
+        await store.close()
+    say(closed=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]))
