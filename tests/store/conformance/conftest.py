@@ -57,6 +57,10 @@ class Backend:
         self.holders: list[Holder] = []
         self.pools: list[KeyPool] = []
 
+    def on(self, server_url: str) -> Backend:
+        """The same backend and isolation on another server (a failure leg's own)."""
+        return Backend(self.name, self._factory, server_url, self.isolation, server_url, None)
+
     def lease(self, seconds: float) -> dict[str, Any]:
         """The option giving a store's claims a lease of ``seconds`` (none for SQLite)."""
         return {"lease": seconds} if self.leases else {}
@@ -69,6 +73,11 @@ class Backend:
         await store.open()
         self.stores.append(store)
         return store
+
+    async def close_store(self, store: Store) -> None:
+        """Close one of this test's stores now (the way its process would end)."""
+        self.stores.remove(store)
+        await store.close()
 
     async def pool(self, *, size: int = 4, **options: Any) -> KeyPool:
         """A started key pool over a store of its own (closed, with its store, at teardown)."""
@@ -108,12 +117,14 @@ class Backend:
         return holder
 
     async def close(self) -> None:
+        """Kill the holders, close the pools and stores this test opened."""
         for holder in self.holders:
             await holder.kill()
         for pool in self.pools:
             await pool.close()
         for store in self.stores:
             await store.close()
+        self.holders, self.pools, self.stores = [], [], []
 
 
 class Holder:

@@ -119,7 +119,7 @@ async def test_a_live_holder_keeps_its_claim_and_close_ends_it(backend: Backend)
     mine = await claim(owner, "alive")
     await backend.elapse(3600.0 if backend.clock is not None else 3 * lease)
     assert_held(backend, await claim(other, "alive"), lease)
-    await owner.close()
+    await backend.close_store(owner)
     theirs = await claim(other, "alive")
     assert (theirs.token > mine.token, theirs.held) == (True, False)
 

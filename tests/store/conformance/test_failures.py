@@ -1,0 +1,123 @@
+"""A network store's server stopped, frozen or restarted: fail fast, recover by itself.
+
+Each test starts a server of its own (tests/servers.py), since it stops or
+freezes it. Redis keeps an AOF synced at every write here, so a restart keeps
+what was committed, as PostgreSQL does. The store's default timeouts are ≤ 5 s:
+an operation against a stopped or frozen server raises StoreError within that
+(plus slack for a loaded machine), never hangs; once the server is back the same
+store object serves again, without being reopened. SQLite has no server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from porch.errors import StoreError
+from porch.store.base import Claim, Hit, Store
+from servers import PostgresServer, RedisServer, running_postgres, running_redis
+
+from .conftest import Backend
+from .test_watch import Waiter
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+FAILS_WITHIN = 7.0  # the ≤ 5 s default timeouts, plus a loaded machine's slack
+BACK_WITHIN = 20.0
+
+
+@contextlib.contextmanager
+def own_server(backend: Backend) -> Iterator[PostgresServer | RedisServer]:
+    if backend.name == "postgres":
+        with running_postgres() as pg:
+            yield pg
+    elif backend.name == "redis":
+        with running_redis(appendonly=True, appendfsync="always") as redis:
+            yield redis
+    else:
+        pytest.skip("SQLite has no server to lose")
+
+
+async def count(store: Store, key: str) -> Hit:
+    hit = Hit([key], [1000], [3600.0])
+    await store.apply([hit])
+    return hit
+
+
+async def fails_fast(store: Store) -> float:
+    """Seconds until an operation raises StoreError (never a hang: 30 s is a failure)."""
+    started = time.monotonic()
+    with pytest.raises(StoreError):
+        await asyncio.wait_for(count(store, "probe"), 30.0)
+    return time.monotonic() - started
+
+
+async def served_again(store: Store) -> float:
+    """Seconds until the same store object serves again."""
+    started = time.monotonic()
+    while True:
+        try:
+            await asyncio.wait_for(count(store, "probe"), BACK_WITHIN)
+            return time.monotonic() - started
+        except StoreError:
+            if time.monotonic() - started > BACK_WITHIN:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def test_a_stopped_server_fails_fast_and_the_store_recovers(backend: Backend) -> None:
+    with own_server(backend) as server:
+        on = backend.on(server.url)
+        try:
+            store = await on.store()
+            assert (await count(store, "kept")).counts == [1]
+            server.stop()
+            assert await fails_fast(store) < FAILS_WITHIN
+            server.start()
+            assert await served_again(store) < BACK_WITHIN
+            # What was committed before the stop is still there.
+            assert (await count(store, "kept")).counts == [2]
+        finally:
+            await on.close()
+
+
+async def test_a_frozen_server_fails_fast_and_the_store_recovers(backend: Backend) -> None:
+    with own_server(backend) as server:
+        on = backend.on(server.url)
+        try:
+            store = await on.store()
+            assert (await count(store, "kept")).counts == [1]
+            server.freeze()
+            try:
+                assert await fails_fast(store) < FAILS_WITHIN
+            finally:
+                server.thaw()
+            assert await served_again(store) < BACK_WITHIN
+            assert (await count(store, "kept")).counts == [2]
+        finally:
+            await on.close()
+
+
+async def test_watchers_are_woken_when_the_connection_comes_back(backend: Backend) -> None:
+    """A wake-up published while the waiter's connection was down is lost: after a
+    reconnect every watched key is woken once, and its waiter claims again."""
+    with own_server(backend) as server:
+        on = backend.on(server.url)
+        try:
+            holder, waiters_store = await on.store(lease=30.0), await on.store()
+            mine = Claim("rc")
+            await holder.apply([mine])
+            held = Claim("rc")
+            await waiters_store.apply([held])
+            assert held.held
+            waiter = Waiter(waiters_store, "rc", held.retry_after)
+            server.stop()
+            await asyncio.sleep(0.5)
+            server.start()
+            await waiter.wait(within=BACK_WITHIN)
+        finally:
+            await on.close()

@@ -1,0 +1,60 @@
+"""The throwaway servers of tests/servers.py do what the failure legs rely on."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from servers import running_postgres, running_redis
+
+
+def redis_call(port: int, *args: str, within: float = 2.0) -> bytes:
+    """One RESP command over a raw socket (no driver needed); raises on timeout."""
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+    )
+    with socket.create_connection(("127.0.0.1", port), within) as s:
+        s.settimeout(within)
+        s.sendall(payload)
+        return s.recv(1024)
+
+
+@pytest.mark.redis
+def test_redis_server_freezes_thaws_and_keeps_its_aof_over_a_restart() -> None:
+    with running_redis(appendonly=True, appendfsync="always") as server:
+        assert server.pid > 0
+        assert redis_call(server.port, "SET", "k", "v") == b"+OK\r\n"
+        server.freeze()
+        with pytest.raises(TimeoutError):
+            redis_call(server.port, "PING", within=0.5)
+        server.thaw()
+        assert redis_call(server.port, "PING") == b"+PONG\r\n"
+        server.stop(kill=True)
+        assert server.pid == 0
+        with pytest.raises(ConnectionRefusedError):
+            redis_call(server.port, "PING")
+        server.start()
+        assert redis_call(server.port, "GET", "k") == b"$1\r\nv\r\n"
+
+
+@pytest.mark.postgres
+def test_postgres_server_freezes_thaws_and_keeps_its_data_over_a_restart() -> None:
+    psycopg = pytest.importorskip("psycopg")
+    with running_postgres() as server:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (v int)")
+            conn.execute("INSERT INTO t VALUES (7)")
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+            server.freeze()
+            try:
+                # Nothing answers: a new connection times out (the port still accepts).
+                with pytest.raises(psycopg.OperationalError):
+                    psycopg.connect(server.url, connect_timeout=1)
+            finally:
+                server.thaw()
+        server.stop()  # -m immediate: a crash, recovered from the WAL at start
+        assert server.pid == 0
+        server.start()
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT v FROM t").fetchall() == [(7,)]
