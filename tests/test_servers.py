@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -38,23 +39,31 @@ def test_redis_server_freezes_thaws_and_keeps_its_aof_over_a_restart() -> None:
         assert redis_call(server.port, "GET", "k") == b"$1\r\nv\r\n"
 
 
+async def postgres_query(url: str, sql: str, within: float = 5.0) -> list[tuple[object, ...]]:
+    import asyncpg
+
+    conn = await asyncpg.connect(url, timeout=within)
+    try:
+        return [tuple(row) for row in await conn.fetch(sql, timeout=within)]
+    finally:
+        await conn.close()
+
+
 @pytest.mark.postgres
 def test_postgres_server_freezes_thaws_and_keeps_its_data_over_a_restart() -> None:
-    psycopg = pytest.importorskip("psycopg")
+    pytest.importorskip("asyncpg")
     with running_postgres() as server:
-        with psycopg.connect(server.url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (v int)")
-            conn.execute("INSERT INTO t VALUES (7)")
-            assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-            server.freeze()
-            try:
-                # Nothing answers: a new connection times out (the port still accepts).
-                with pytest.raises(psycopg.OperationalError):
-                    psycopg.connect(server.url, connect_timeout=1)
-            finally:
-                server.thaw()
+        run = asyncio.run
+        run(postgres_query(server.url, "CREATE TABLE t AS SELECT 7 AS v"))
+        assert run(postgres_query(server.url, "SHOW synchronous_commit")) == [("on",)]
+        server.freeze()
+        try:
+            # Nothing answers: a new connection times out (the port still accepts).
+            with pytest.raises(TimeoutError):
+                run(postgres_query(server.url, "SELECT 1", within=1.0))
+        finally:
+            server.thaw()
         server.stop()  # -m immediate: a crash, recovered from the WAL at start
         assert server.pid == 0
         server.start()
-        with psycopg.connect(server.url) as conn:
-            assert conn.execute("SELECT v FROM t").fetchall() == [(7,)]
+        assert run(postgres_query(server.url, "SELECT v FROM t")) == [(7,)]

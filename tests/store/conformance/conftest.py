@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from porch.clock import ManualClock
+from porch.clock import ManualClock, SystemClock
 from porch.pool import KeyPool
 from porch.store.base import Store
 
@@ -167,10 +167,13 @@ class Holder:
 
 
 async def _drop_schema(url: str, schema: str) -> None:
-    import psycopg
+    import asyncpg
 
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
 
 
 async def _drop_prefix(url: str, prefix: str) -> None:
@@ -201,7 +204,10 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     tag = uuid.uuid4().hex[:12]
     backend: Backend
     if name == "sqlite":
-        clock = ManualClock(monotonic=1000.0, wall=1_700_000_000.0, boot_id="conformance")
+        # Starts at the real readings: a holder subprocess runs on the system clock, and
+        # both must agree on the boot and roughly on the time (its stored responses' TTL).
+        real = SystemClock()
+        clock = ManualClock(monotonic=real.monotonic(), wall=real.wall(), boot_id=real.boot_id())
         url = f"sqlite:///{tmp_path}/porch.sqlite3"
         backend = Backend(name, factory, tmp_path, {}, url, clock)
     elif name == "postgres":
