@@ -168,15 +168,29 @@ class Orders:
         self._executor.shutdown(wait=True)
 
 
-_TITLES = {400: "Bad Request", 413: "Content Too Large", 422: "Unprocessable Content"}
+_TITLES = {
+    400: "Bad Request",
+    413: "Content Too Large",
+    422: "Unprocessable Content",
+    503: "Service Unavailable",
+}
 
 
-def _problem(status: int, detail: str) -> JSONResponse:
+def _problem(status: int, detail: str, **extensions: str) -> JSONResponse:
+    document = {"type": "about:blank", "title": _TITLES[status], "status": status}
+    document.update(detail=detail, **extensions)
     return JSONResponse(
-        {"type": "about:blank", "title": _TITLES[status], "status": status, "detail": detail},
+        document,
         status_code=status,
         media_type="application/problem+json",
+        headers={"retry-after": "1"} if status == 503 else None,
     )
+
+
+def _unavailable(exc: sqlite3.Error) -> JSONResponse:
+    """The orders file failed (disk full, locked): 503 like porch's own store, never a 500."""
+    logger.error("porch demo: the orders store failed: %s", exc, extra={"cause": "store"})
+    return _problem(503, "the orders store is unavailable", cause="store")
 
 
 class _TooLarge(Exception):
@@ -268,7 +282,10 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         item, qty = parsed
         if config.checkout_latency:
             await asyncio.sleep(config.checkout_latency)  # the payment provider
-        order_id = await orders.insert(item, qty)
+        try:
+            order_id = await orders.insert(item, qty)
+        except sqlite3.Error as exc:
+            return _unavailable(exc)
         return JSONResponse({"id": order_id, "item": item, "qty": qty}, status_code=201)
 
     async def list_orders(request: Request) -> JSONResponse:
@@ -276,7 +293,10 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         if isinstance(args, JSONResponse):
             return args
         after, limit = args
-        total, rows = await orders.page(after, limit + 1)
+        try:
+            total, rows = await orders.page(after, limit + 1)
+        except sqlite3.Error as exc:
+            return _unavailable(exc)
         # ``count`` is every order this host holds; ``orders`` one page of them, and
         # ``next`` the ``after`` that fetches the following page (null on the last).
         following = rows[limit - 1]["id"] if len(rows) > limit else None
@@ -322,6 +342,9 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         exempt=("/health", "/metrics"),
     )
     app.state.pool = pool
+    # No trailing-slash redirects: the redirect URL is built by decoding the query
+    # string as UTF-8, so "GET /orders/?\x80" answered 500 (found by tests/test_fuzz.py).
+    app.router.redirect_slashes = False
     # A declared body over the cap is refused before anything reads or counts it.
     app.add_middleware(_BodyCap, cap=MAX_BODY)
     # Outermost: every response, replays and refusals included, names the worker

@@ -11,7 +11,13 @@ import sqlite3
 
 from ...errors import StoreError
 
-__all__ = ["SCHEMA_VERSION", "migrate", "rebase_after_reboot", "statements"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "check_not_foreign",
+    "migrate",
+    "rebase_after_reboot",
+    "statements",
+]
 
 # Times: ``window_start``, ``stored_at`` and ``expires`` are seconds on the
 # monotonic clock of the boot recorded in porch_meta; ``wall_start`` and
@@ -94,6 +100,25 @@ _MIGRATIONS: tuple[str, ...] = (
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+def check_not_foreign(conn: sqlite3.Connection) -> None:
+    """Refuse a SQLite file that holds someone else's tables, before anything writes to it.
+
+    Runs before the file is switched to WAL (which rewrites its header): pointing
+    porch at another application's database must change nothing in it.
+    """
+    tables = [
+        name
+        for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+        )
+    ]
+    if tables and "porch_meta" not in tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            f"not a porch store (it holds other tables: {shown}); refusing to change it"
+        )
 
 
 def migrate(conn: sqlite3.Connection) -> int:

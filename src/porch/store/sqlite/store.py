@@ -25,7 +25,7 @@ from ...errors import ConfigurationError, StoreError
 from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
 from .ops import apply_batch
-from .schema import migrate, rebase_after_reboot
+from .schema import check_not_foreign, migrate, rebase_after_reboot
 
 __all__ = ["SQLiteStore"]
 
@@ -161,6 +161,7 @@ class SQLiteStore:
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        check_not_foreign(conn)
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
         conn.execute("BEGIN IMMEDIATE")
