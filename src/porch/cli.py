@@ -59,12 +59,18 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import __version__, operator
+
     parser = argparse.ArgumentParser(prog="porch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"porch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    operator.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command in operator.COMMANDS:
+        return operator.run(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2
 

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
@@ -26,6 +27,9 @@ from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
 from .ops import apply_batch
 from .schema import check_not_foreign, migrate, rebase_after_reboot
+
+if TYPE_CHECKING:
+    from .admin import SQLiteAdmin
 
 __all__ = ["SQLiteStore"]
 
@@ -121,6 +125,12 @@ class SQLiteStore:
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
         self._claims.close()  # drops every claim this process still holds
+
+    def admin(self) -> SQLiteAdmin:
+        """The operator's view of this file (``porch inspect|reset|purge|check``)."""
+        from .admin import SQLiteAdmin
+
+        return SQLiteAdmin(self.path, clock=self.clock, busy_timeout=self.busy_timeout)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)

@@ -1,0 +1,164 @@
+"""``porch inspect | reset | purge | check``: the operator's commands, for any store.
+
+Each takes ``--data-dir D`` (the SQLite file ``D/porch.sqlite3``, as ``porch
+demo`` uses it) or ``--store URL`` and speaks only the admin protocol of
+:mod:`porch.store.admin`, beside running servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigurationError, StoreError
+from .store.admin import StoreAdmin, admin_for
+
+__all__ = ["COMMANDS", "add_parsers", "run"]
+
+COMMANDS = ("inspect", "reset", "purge", "check")
+
+T = TypeVar("T")
+
+
+def _target(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--data-dir",
+        default=None,
+        help="the data directory (its porch.sqlite3); default ./porch-data",
+    )
+    where.add_argument(
+        "--store", default=None, help="a store URL (sqlite:///path/file.sqlite3, ...)"
+    )
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("inspect", help="list live counters and stored responses")
+    _target(p)
+    p.add_argument("--client", default=None, help="only this client (its counters and responses)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--max", type=int, default=1000, help="at most this many of each (default 1000)")
+    p = sub.add_parser("reset", help="delete a client's counters: it is served again at once")
+    _target(p)
+    p.add_argument("--client", required=True, help="the client key (e.g. its address)")
+    p.add_argument("--rule", default=None, help="only this rule's counters")
+    p = sub.add_parser("purge", help="delete expired counters and stored responses")
+    _target(p)
+    p = sub.add_parser("check", help="schema version and integrity; exit 1 when damaged")
+    _target(p)
+
+
+def _admin(args: argparse.Namespace) -> StoreAdmin:
+    from .store import SQLiteStore, open_store
+
+    if args.store is not None:
+        return admin_for(open_store(args.store))
+    return admin_for(SQLiteStore(Path(args.data_dir or "./porch-data")))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one operator command; return the exit status."""
+    name = f"porch {args.command}"
+    try:
+        admin = _admin(args)
+    except ConfigurationError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    command: Callable[[StoreAdmin, argparse.Namespace], Awaitable[int]] = _COMMANDS[args.command]
+    try:
+        return asyncio.run(_closing(admin, command(admin, args)))
+    except StoreError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _closing(admin: StoreAdmin, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    finally:
+        await admin.close()
+
+
+async def _inspect(admin: StoreAdmin, args: argparse.Namespace) -> int:
+    if args.max < 1:
+        raise StoreError(f"--max must be >= 1, got {args.max}")
+    counters = await admin.counters(client=args.client, most=args.max)
+    responses = await admin.responses(client=args.client, most=args.max)
+    if args.json:
+        document: dict[str, Any] = {
+            "store": admin.location,
+            "counters": [
+                {
+                    "client": c.client,
+                    "rule": c.rule,
+                    "limit": c.limit,
+                    "count": c.count,
+                    "reset_in": round(c.reset_in, 3),
+                }
+                for c in counters
+            ],
+            "responses": [
+                {
+                    "scope": r.scope,
+                    "key": r.key,
+                    "status": r.status,
+                    "size": r.size,
+                    "expires_in": round(r.expires_in, 3),
+                    "expires_at": round(r.expires_at, 3),
+                }
+                for r in responses
+            ],
+            "truncated": len(counters) >= args.max or len(responses) >= args.max,
+        }
+        print(json.dumps(document, indent=2, ensure_ascii=False))
+        return 0
+    print(f"store: {admin.location}")
+    print(f"counters ({len(counters)}):")
+    for c in counters:
+        print(f"  {c.client}  rule={c.rule}/{c.limit}  count={c.count}  reset_in={c.reset_in:.0f}s")
+    print(f"stored responses ({len(responses)}):")
+    for r in responses:
+        print(
+            f"  {r.scope}  key={r.key!r}  status={r.status}  {r.size} bytes"
+            f"  expires_in={r.expires_in:.0f}s"
+        )
+    return 0
+
+
+async def _reset(admin: StoreAdmin, args: argparse.Namespace) -> int:
+    n = await admin.reset(client=args.client, rule=args.rule)
+    which = f" of rule {args.rule!r}" if args.rule else ""
+    print(f"deleted {n} counter(s){which} of client {args.client!r}")
+    return 0
+
+
+async def _purge(admin: StoreAdmin, args: argparse.Namespace) -> int:
+    report = await admin.purge()
+    print(
+        f"deleted {report.counters} expired counter(s) and {report.responses} expired response(s)"
+    )
+    return 0
+
+
+async def _check(admin: StoreAdmin, args: argparse.Namespace) -> int:
+    report = await admin.check()
+    if report.healthy:
+        print(f"{report.location}: ok (schema version {report.schema_version})")
+        return 0
+    print(f"{report.location}: NOT HEALTHY", file=sys.stderr)
+    for problem in report.problems:
+        print(f"  {problem}", file=sys.stderr)
+    return 1
+
+
+_COMMANDS: dict[str, Callable[[StoreAdmin, argparse.Namespace], Awaitable[int]]] = {
+    "inspect": _inspect,
+    "reset": _reset,
+    "purge": _purge,
+    "check": _check,
+}

@@ -1,0 +1,221 @@
+"""The admin protocol on the SQLite file: read and repair it beside running servers.
+
+Every command opens its own connection and never creates the file. ``check``
+reads through a read-only connection; the others write in short ``BEGIN
+IMMEDIATE`` transactions, waiting for the servers' writers like any of them.
+Times in the file are on the monotonic clock of the boot recorded in it; after
+a reboot the wall-clock columns are used instead (as the store's rebase does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+from ...clock import Clock, SystemClock
+from ...errors import StoreError
+from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+from .schema import SCHEMA_VERSION, check_not_foreign
+
+__all__ = ["SQLiteAdmin"]
+
+_TABLES = ("porch_meta", "counters", "responses", "response_bytes", "response_total")
+
+
+class SQLiteAdmin:
+    """:class:`~porch.store.admin.StoreAdmin` for one SQLite store file."""
+
+    def __init__(
+        self, path: Path, *, clock: Clock | None = None, busy_timeout: float = 5.0
+    ) -> None:
+        self.path = path
+        self.location = str(path)
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self.busy_timeout = busy_timeout
+
+    # -- connections --------------------------------------------------------------------
+
+    def _open(self, *, read_only: bool) -> sqlite3.Connection:
+        if not self.path.is_file():
+            raise StoreError(f"no porch store at {self.path}")
+        mode = "ro" if read_only else "rw"
+        try:
+            conn = sqlite3.connect(
+                f"file:{self.path}?mode={mode}",
+                uri=True,
+                timeout=self.busy_timeout,
+                isolation_level=None,
+            )
+            check_not_foreign(conn)
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+        except (sqlite3.Error, StoreError) as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+        if not read_only and version != SCHEMA_VERSION:
+            conn.close()
+            raise StoreError(
+                f"{self.path}: schema version {version}, this porch uses {SCHEMA_VERSION};"
+                " start a server on it once (it migrates), or upgrade porch"
+            )
+        return conn
+
+    def _now(self, conn: sqlite3.Connection) -> tuple[float | None, float]:
+        """(monotonic now if the file's times are on this boot's clock, else None; wall now)."""
+        row = conn.execute("SELECT value FROM porch_meta WHERE name = 'boot_id'").fetchone()
+        same_boot = row is not None and row[0] == self.clock.boot_id()
+        return (self.clock.monotonic() if same_boot else None), self.clock.wall()
+
+    # -- the protocol -------------------------------------------------------------------
+
+    async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
+        return await asyncio.to_thread(self._counters, client, most)
+
+    def _counters(self, client: str | None, most: int) -> list[CounterInfo]:
+        conn = self._open(read_only=True)
+        try:
+            mono, wall = self._now(conn)
+            found: list[CounterInfo] = []
+            rows = conn.execute(
+                "SELECT key, count, window_start, expires, wall_start FROM counters ORDER BY key"
+            )
+            for key, count, start, expires, wall_start in rows:
+                parts = split_counter_key(key)
+                if parts is None or (client is not None and parts[2] != client):
+                    continue
+                left = expires - mono if mono is not None else wall_start + (expires - start) - wall
+                if left <= 0:
+                    continue  # expired: no longer counts, pruned when touched or purged
+                found.append(CounterInfo(parts[2], parts[0], parts[1], int(count), left))
+                if len(found) >= most:
+                    break
+            return found
+        finally:
+            conn.close()
+
+    async def responses(self, *, client: str | None = None, most: int = 1000) -> list[ResponseInfo]:
+        return await asyncio.to_thread(self._responses, client, most)
+
+    def _responses(self, client: str | None, most: int) -> list[ResponseInfo]:
+        conn = self._open(read_only=True)
+        try:
+            mono, wall = self._now(conn)
+            found: list[ResponseInfo] = []
+            rows = conn.execute(
+                "SELECT key, scope, status, size, stored_at, expires, stored_wall"
+                " FROM responses ORDER BY key"
+            )
+            for key, scope, status, size, stored_at, expires, stored_wall in rows:
+                if client is not None and scope != f"client:{client}":
+                    continue
+                left = (
+                    expires - mono
+                    if mono is not None
+                    else stored_wall + (expires - stored_at) - wall
+                )
+                if left <= 0:
+                    continue
+                name = key.split(US, 1)[1] if US in key else key
+                found.append(ResponseInfo(scope, name, int(status), int(size), left, wall + left))
+                if len(found) >= most:
+                    break
+            return found
+        finally:
+            conn.close()
+
+    async def reset(self, *, client: str, rule: str | None = None) -> int:
+        return await asyncio.to_thread(self._reset, client, rule)
+
+    def _reset(self, client: str, rule: str | None) -> int:
+        conn = self._open(read_only=False)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            keys = [
+                key
+                for (key,) in conn.execute(
+                    # The client is the key's last field; the prefix narrows the scan.
+                    "SELECT key FROM counters WHERE key >= ? AND key < ?",
+                    (f"rl{US}{rule}{US}", f"rl{US}{rule}\x20") if rule else ("rl" + US, "rl\x20"),
+                )
+                if (parts := split_counter_key(key)) is not None and parts[2] == client
+            ]
+            conn.executemany("DELETE FROM counters WHERE key = ?", [(k,) for k in keys])
+            conn.execute("COMMIT")
+            return len(keys)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.close()
+
+    async def purge(self) -> PurgeReport:
+        return await asyncio.to_thread(self._purge)
+
+    def _purge(self) -> PurgeReport:
+        conn = self._open(read_only=False)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            mono, wall = self._now(conn)
+            if mono is not None:
+                counters = conn.execute("DELETE FROM counters WHERE expires <= ?", (mono,))
+                n_counters = counters.rowcount
+                responses = conn.execute("DELETE FROM responses WHERE expires <= ?", (mono,))
+            else:
+                counters = conn.execute(
+                    "DELETE FROM counters WHERE wall_start + (expires - window_start) <= ?",
+                    (wall,),
+                )
+                n_counters = counters.rowcount
+                responses = conn.execute(
+                    "DELETE FROM responses WHERE stored_wall + (expires - stored_at) <= ?",
+                    (wall,),
+                )
+            n_responses = responses.rowcount
+            conn.execute("COMMIT")
+            return PurgeReport(max(0, n_counters), max(0, n_responses))
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.close()
+
+    async def check(self) -> CheckReport:
+        return await asyncio.to_thread(self._check)
+
+    def _check(self) -> CheckReport:
+        try:
+            conn = self._open(read_only=True)
+        except StoreError as exc:
+            return CheckReport(self.location, 0, SCHEMA_VERSION, (str(exc),))
+        problems: list[str] = []
+        version = 0
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version != SCHEMA_VERSION:
+                problems.append(f"schema version {version}, expected {SCHEMA_VERSION}")
+            tables = {
+                name
+                for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+            missing = [t for t in _TABLES if t not in tables]
+            if missing and version == SCHEMA_VERSION:
+                problems.append(f"missing tables: {', '.join(missing)}")
+            results = [row[0] for row in conn.execute("PRAGMA integrity_check(20)")]
+            if results != ["ok"]:
+                problems.append("integrity_check: " + "; ".join(results))
+            if not missing and version == SCHEMA_VERSION:
+                (stored,) = conn.execute("SELECT COALESCE(SUM(size), 0) FROM responses").fetchone()
+                row = conn.execute("SELECT bytes FROM response_total WHERE id = 1").fetchone()
+                if row is None or row[0] != stored:
+                    problems.append(
+                        f"stored-bytes total {row[0] if row else None} != {stored} in responses"
+                    )
+        except sqlite3.Error as exc:
+            problems.append(str(exc))
+        finally:
+            conn.close()
+        return CheckReport(self.location, int(version), SCHEMA_VERSION, tuple(problems))
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,180 @@
+"""The operator CLI (``porch inspect|reset|purge|check``, ``--version``) against a real
+running ``porch demo`` and its real SQLite file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from demo_server import DemoLauncher, DemoServer, launch_demos
+
+import porch
+
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[DemoLauncher]:
+    with launch_demos(tmp_path) as launcher:
+        yield launcher
+
+
+def porch_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "porch", *argv], capture_output=True, text=True, timeout=60
+    )
+
+
+def get(server: DemoServer, client: str) -> httpx.Response:
+    with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+        return http.get("/products", headers={"X-Forwarded-For": client})
+
+
+def inspect(*argv: str) -> dict[str, Any]:
+    done = porch_cli("inspect", "--json", *argv)
+    assert done.returncode == 0, done.stderr
+    document: dict[str, Any] = json.loads(done.stdout)
+    return document
+
+
+def test_version() -> None:
+    done = porch_cli("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"porch {porch.__version__}"
+
+
+def test_inspect_and_reset_a_running_server(demo: DemoLauncher) -> None:
+    server = demo.start(limit=3, window=600, trust_proxy_hops=1)
+    for _ in range(4):
+        get(server, "10.3.0.1")
+    assert get(server, "10.3.0.1").status_code == 429
+    assert get(server, "10.3.0.2").status_code == 200
+    with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": "op-1", "X-Forwarded-For": "10.3.0.2"},
+        )
+    assert created.status_code == 201
+
+    data = ["--data-dir", str(server.data_dir)]
+    document = inspect(*data)
+    assert document["store"] == str(server.db_path)
+    counters = {c["client"]: c for c in document["counters"]}
+    assert set(counters) == {"10.3.0.1", "10.3.0.2"}
+    assert counters["10.3.0.1"]["count"] == 3  # refusals consume nothing: the row says so
+    assert counters["10.3.0.2"]["count"] == 2
+    assert counters["10.3.0.1"]["rule"] == "default"
+    assert 0 < counters["10.3.0.1"]["reset_in"] <= 600
+    [response] = document["responses"]
+    assert response["key"] == "op-1"
+    assert response["status"] == 201
+    assert response["scope"] == "client:10.3.0.2"
+    assert 86000 < response["expires_in"] <= 86400
+    assert abs(response["expires_at"] - (time.time() + response["expires_in"])) < 5
+    # --client narrows; --store names the same file by URL.
+    only = inspect("--store", f"sqlite:///{server.db_path}", "--client", "10.3.0.1")
+    assert [c["client"] for c in only["counters"]] == ["10.3.0.1"]
+    assert only["responses"] == []
+    text = porch_cli("inspect", *data)
+    assert text.returncode == 0
+    assert "10.3.0.1" in text.stdout
+    assert "op-1" in text.stdout
+
+    # reset of another rule deletes nothing; of the client, its counter: served again.
+    other = porch_cli("reset", *data, "--client", "10.3.0.1", "--rule", "nosuch")
+    assert other.returncode == 0, other.stderr
+    assert "deleted 0" in other.stdout
+    assert get(server, "10.3.0.1").status_code == 429
+    done = porch_cli("reset", *data, "--client", "10.3.0.1", "--rule", "default")
+    assert done.returncode == 0, done.stderr
+    assert "deleted 1 counter" in done.stdout
+    started = time.monotonic()
+    while get(server, "10.3.0.1").status_code != 200:
+        # Within the limiter's refusal memory (1 s), plus a loaded machine's slack.
+        assert time.monotonic() - started < 10, "not served again after porch reset"
+        time.sleep(0.1)
+    assert server.count_for("10.3.0.1") == 1
+    assert server.count_for("10.3.0.2") == 2  # other clients untouched
+
+
+def test_purge_deletes_expired_rows(demo: DemoLauncher) -> None:
+    server = demo.start(limit=10, window=1, trust_proxy_hops=1)
+    for n in range(6):
+        assert get(server, f"10.4.0.{n}").status_code == 200
+    time.sleep(1.5)  # every window has ended; the rows stay until touched (or purged)
+    assert len(server.counters()) == 6
+    done = porch_cli("purge", "--data-dir", str(server.data_dir))
+    assert done.returncode == 0, done.stderr
+    assert "deleted 6 expired counter(s) and 0 expired response(s)" in done.stdout, done.stdout
+    assert server.counters() == {}
+    again = porch_cli("purge", "--data-dir", str(server.data_dir))
+    assert "deleted 0 expired counter(s)" in again.stdout
+    assert get(server, "10.4.0.1").status_code == 200  # the running server carries on
+    assert server.count_for("10.4.0.1") == 1
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_check_healthy_corrupt_and_foreign(tmp_path: Path, demo: DemoLauncher) -> None:
+    server = demo.start(limit=1_000_000, window=600, trust_proxy_hops=1)
+    for n in range(400):  # enough rows for several b-tree pages
+        assert get(server, f"10.5.{n // 250}.{n % 250}").status_code == 200
+    healthy = porch_cli("check", "--data-dir", str(server.data_dir))
+    assert healthy.returncode == 0, healthy.stderr
+    assert "ok (schema version" in healthy.stdout
+    server.terminate()
+
+    # A page in the middle of the file overwritten: integrity_check names the damage.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(server.db_path, broken / "porch.sqlite3")
+    page = 4096
+    with open(broken / "porch.sqlite3", "r+b") as f:
+        f.seek(3 * page)
+        f.write(b"\xa5" * page)
+    before = _digest(broken / "porch.sqlite3")
+    done = porch_cli("check", "--data-dir", str(broken))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "NOT HEALTHY" in done.stderr
+    assert str(broken / "porch.sqlite3") in done.stderr
+    assert "integrity_check" in done.stderr or "malformed" in done.stderr, done.stderr
+    assert _digest(broken / "porch.sqlite3") == before  # check changes nothing
+
+    for kind in ("garbage", "foreign"):
+        other = tmp_path / kind
+        other.mkdir()
+        path = other / "porch.sqlite3"
+        if kind == "garbage":
+            path.write_bytes(b"not a database\n" * 500)
+        else:
+            conn = sqlite3.connect(path)
+            conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+            conn.commit()
+            conn.close()
+        before = _digest(path)
+        for command in (["check"], ["inspect"], ["purge"], ["reset", "--client", "x"]):
+            done = porch_cli(*command, "--data-dir", str(other))
+            assert done.returncode != 0, (command, done.stdout)
+            assert str(path) in done.stderr, done.stderr
+            expected = "not a database" if kind == "garbage" else "not a porch store"
+            assert expected in done.stderr, done.stderr
+        assert _digest(path) == before
+        assert sorted(p.name for p in other.iterdir()) == ["porch.sqlite3"]
+
+    missing = porch_cli("inspect", "--data-dir", str(tmp_path / "nothing-here"))
+    assert missing.returncode == 2
+    assert "no porch store at" in missing.stderr
+    assert not (tmp_path / "nothing-here").exists()  # never created
