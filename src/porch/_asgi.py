@@ -16,9 +16,31 @@ def adding_headers(send: Send, headers: Iterable[tuple[bytes, bytes]]) -> Send:
     """Wrap ``send`` to append ``headers`` at ``http.response.start``."""
 
     async def wrapped(message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] in ("http.response.start", "websocket.accept"):
             message["headers"] = [*message.get("headers", ()), *headers]
         await send(message)
+
+    return wrapped
+
+
+def websocket_denial(scope: Scope, send: Send) -> Send:
+    """For a WebSocket handshake: an HTTP answer (a refusal, a 503) sent before accept becomes
+    a denial response where the server has the ``websocket.http.response`` extension, and a
+    ``websocket.close`` with code 1008 (policy violation) where it has not."""
+    denial = "websocket.http.response" in (scope.get("extensions") or {})
+
+    async def wrapped(message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if denial:
+                await send({**message, "type": "websocket.http.response.start"})
+            else:
+                await send({"type": "websocket.close", "code": 1008})
+        elif kind == "http.response.body":
+            if denial:
+                await send({**message, "type": "websocket.http.response.body"})
+        else:
+            await send(message)
 
     return wrapped
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError, PoolClosedError, StoreError
 from .mailbox import Mailbox, MailboxStatistics
+from .namespaces import Namespaces
 
 if TYPE_CHECKING:
     from .metrics import PorchMetrics
@@ -157,7 +158,16 @@ class PoolStatistics:
 class KeyPool:
     """N shard actors over one store. Start it on the event loop that will use it."""
 
-    __slots__ = ("_failed", "_lock", "_shards", "_size", "_started", "metrics", "store")
+    __slots__ = (
+        "_failed",
+        "_lock",
+        "_shards",
+        "_size",
+        "_started",
+        "metrics",
+        "namespaces",
+        "store",
+    )
 
     def __init__(
         self,
@@ -172,6 +182,8 @@ class KeyPool:
         if mailbox < 1:
             raise ConfigurationError(f"mailbox capacity must be >= 1, got {mailbox}")
         self.store = store
+        # Counter namespaces the limiters on this pool have claimed (see porch.namespaces).
+        self.namespaces = Namespaces()
         # The middlewares using this pool report into the same metrics.
         self.metrics = metrics
         if metrics is not None:

@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ._asgi import adding_headers, pass_through
+from ._asgi import adding_headers, pass_through, websocket_denial
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
 from .decisions import CompiledRule as _CompiledRule
@@ -117,12 +117,17 @@ class RateLimitMiddleware:
             raise ConfigurationError(
                 f"refusal_memory_entries must be >= 1, got {refusal_memory_entries}"
             )
-        names = [r.name for r in rules]
+        names = [r.name for r in rules if not r.shared]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"rule names must be unique, got {names}")
+        for r in rules:
+            # Now, when the app is built, not at the first request: a name another
+            # limiter on this pool uses for other requests would share its counters.
+            pool.namespaces.claim(r.name, r.signature(), f"RateLimitMiddleware rule {r.path!r}")
         self.app = app
         self.pool = pool
         self._rules = tuple(_CompiledRule(r) for r in rules)
+        self._websocket = any(r.websocket for r in rules)
         self._key: KeyFunc = key if key is not None else ClientIdentity()
         exempt = tuple(exempt)
         for path in exempt:
@@ -156,6 +161,12 @@ class RateLimitMiddleware:
         path: str = scope["path"]
         if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
             return None
+        if scope["type"] == "websocket":
+            # A handshake is a GET, selected only by rules that opted in.
+            for compiled in self._rules:
+                if compiled.rule.websocket and compiled.rule.matches("GET", path):
+                    return compiled
+            return None
         method = normalize_method(scope["method"])
         for compiled in self._rules:
             if compiled.rule.matches(method, path):
@@ -163,13 +174,17 @@ class RateLimitMiddleware:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind != "http" and not (kind == "websocket" and self._websocket):
             await pass_through(self.app, self.pool, scope, receive, send)
             return
         compiled = self._select(scope)
         if compiled is None:
             await self.app(scope, receive, send)
             return
+        if kind == "websocket":
+            # Refused before accept: porch's HTTP answers become a denial response.
+            send = websocket_denial(scope, send)
 
         try:
             client = self._key(scope)

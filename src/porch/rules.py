@@ -1,4 +1,11 @@
-"""Rate-limit configuration: limits, and the rules that select requests for them."""
+"""Rate-limit configuration: limits (numbers or rate strings), and the rules that select requests.
+
+A rule's ``name`` is the namespace of its counters in the store (the key of a
+client's counter is rule name + limit name + client). Left out, it is derived
+from the rule's path and methods, so two rules on different routes never share
+a counter by accident, and the name is the same in every process and after a
+restart (durable counters keep their meaning).
+"""
 
 from __future__ import annotations
 
@@ -9,78 +16,166 @@ from dataclasses import dataclass
 
 from .errors import ConfigurationError
 
-__all__ = ["Limit", "Rule", "normalize_method", "path_matches"]
+__all__ = ["Limit", "Rule", "compile_path", "normalize_method", "path_matches"]
 
 # Names travel in a structured-field string (RateLimit-Policy) and in store keys.
-_NAME = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}\Z")
+_NAME = re.compile(r"[A-Za-z0-9_.:/+{}-]{1,64}\Z")
+_NAME_RULE = "1-64 characters of A-Z a-z 0-9 _ . : / + - { }"
+
+_UNITS = {
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600),
+    **dict.fromkeys(("d", "day", "days"), 86400),
+}
+# "5/minute", "5 per minute", "10/5s", "10 per 5 minutes", "100/day".
+_RATE = re.compile(r"\s*(\d+)\s*(?:/|\s+per\s+)\s*(\d+(?:\.\d+)?)?\s*([A-Za-z]+)\s*\Z", re.I)
+_RATE_FORM = "'<amount>/<unit>' or '<amount> per [<count>] <unit>', e.g. '5/minute', '10/5s'"
+
+# A path may hold templates: {id} (one segment; {id:int} and the like too), {rest:path}.
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z_]+))?\}")
+_PATH_CHARS = re.compile(r"/[!-~]*\Z")  # printable ASCII, no spaces or control bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Limit:
-    """``amount`` requests per fixed ``window`` of seconds, starting at the key's first hit."""
+    """``amount`` requests per fixed ``window`` of seconds, starting at the key's first hit.
+
+    ``Limit("5/minute")`` (or ``"5 per minute"``, ``"10/5s"``) reads a rate
+    string; :meth:`parse` reads several (``"100/day; 10/second"``).
+    """
 
     amount: int
     window: float
-    name: str = ""
+    name: str
 
-    def __post_init__(self) -> None:
-        if isinstance(self.amount, bool) or not isinstance(self.amount, int) or self.amount < 1:
-            raise ConfigurationError(f"limit amount must be an integer >= 1, got {self.amount!r}")
-        if not (isinstance(self.window, int | float) and math.isfinite(self.window)) or (
-            self.window <= 0
+    def __init__(self, amount: int | str, window: float | None = None, name: str = "") -> None:
+        if isinstance(amount, str):
+            if window is not None:
+                raise ConfigurationError(
+                    f"a rate string carries its own window; got Limit({amount!r}, {window!r})"
+                )
+            parsed = Limit.parse(amount)
+            if len(parsed) != 1:
+                raise ConfigurationError(
+                    f"Limit() takes one rate, got {amount!r}; use Limit.parse() for several"
+                )
+            amount, window = parsed[0].amount, parsed[0].window
+        if isinstance(amount, bool) or not isinstance(amount, int) or amount < 1:
+            raise ConfigurationError(f"limit amount must be an integer >= 1, got {amount!r}")
+        if (
+            isinstance(window, bool)
+            or not (isinstance(window, int | float) and math.isfinite(window))
+            or window <= 0
         ):
-            raise ConfigurationError(f"limit window must be > 0 seconds, got {self.window!r}")
-        if not self.name:
-            object.__setattr__(self, "name", f"{self.amount}-per-{self.window:g}s")
-        elif not _NAME.match(self.name):
-            raise ConfigurationError(
-                f"limit name must be 1-64 characters of A-Z a-z 0-9 _ . : / + -, got {self.name!r}"
-            )
+            raise ConfigurationError(f"limit window must be > 0 seconds, got {window!r}")
+        if not name:
+            name = f"{amount}-per-{window:g}s"
+        elif not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigurationError(f"limit name must be {_NAME_RULE}, got {name!r}")
+        object.__setattr__(self, "amount", amount)
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "name", name)
+
+    @staticmethod
+    def parse(text: str) -> tuple[Limit, ...]:
+        """The limits of a rate string: rates separated by ``;`` or ``,``."""
+        if not isinstance(text, str):
+            raise ConfigurationError(f"a rate string must be a str, got {text!r}")
+        pieces = [p for p in re.split(r"[;,]", text) if p.strip()]
+        if not pieces:
+            raise ConfigurationError(f"a rate string needs at least one rate, got {text!r}")
+        limits: list[Limit] = []
+        for piece in pieces:
+            match = _RATE.match(piece)
+            if match is None:
+                raise ConfigurationError(f"invalid rate {piece.strip()!r}: expected {_RATE_FORM}")
+            amount, count, unit = match.groups()
+            seconds = _UNITS.get(unit.lower())
+            if seconds is None:
+                raise ConfigurationError(
+                    f"invalid rate {piece.strip()!r}: unknown unit {unit!r}"
+                    " (use second, minute, hour or day)"
+                )
+            multiple = 1.0 if count is None else float(count)
+            window = seconds * multiple
+            limits.append(Limit(int(amount), int(window) if window.is_integer() else window))
+        return tuple(limits)
+
+
+def _limits_of(limits: Iterable[Limit | str] | Limit | str) -> tuple[Limit, ...]:
+    if isinstance(limits, str):
+        return Limit.parse(limits)
+    if isinstance(limits, Limit):
+        return (limits,)
+    result: list[Limit] = []
+    for limit in limits:
+        result.extend(Limit.parse(limit) if isinstance(limit, str) else [limit])
+    return tuple(result)
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class Rule:
-    """Which requests a set of limits applies to: a path prefix and, optionally, methods.
+    """Which requests a set of limits applies to: a path (prefix or template) and methods.
 
     All limits of a rule are checked together: a request passes only if every
-    limit has room, and a refused request consumes none of them.
+    limit has room, and a refused request consumes none of them. ``path`` is
+    a prefix (``/api`` selects ``/api`` and ``/api/x``, never ``/apiary``) and
+    may hold ``{param}`` templates, one segment each (``/users/{id}/follow``).
+    ``name`` is the counters' namespace (default: derived from path and
+    methods; ``"default"`` for the whole app). Rules with one name count
+    together only when they say so with ``shared=True`` (and have the same
+    limits); otherwise a second rule under a taken name is a ConfigurationError
+    when its limiter is built. ``websocket=True`` also limits WebSocket
+    handshakes (refused before accept).
     """
 
     limits: tuple[Limit, ...]
     path: str
     methods: frozenset[str] | None
     name: str
+    shared: bool
+    websocket: bool
+    pattern: re.Pattern[str] | None
 
     def __init__(
         self,
-        limits: Iterable[Limit] | Limit,
+        limits: Iterable[Limit | str] | Limit | str,
         *,
         path: str = "/",
         methods: Iterable[str] | None = None,
-        name: str = "default",
+        name: str | None = None,
+        shared: bool = False,
+        websocket: bool = False,
     ) -> None:
-        limits = (limits,) if isinstance(limits, Limit) else tuple(limits)
+        if not isinstance(limits, str | Limit):
+            limits = tuple(limits)
+            if not all(isinstance(limit, Limit | str) for limit in limits):
+                raise ConfigurationError("rule limits must be Limit instances or rate strings")
+        limits = _limits_of(limits)
         if not limits:
             raise ConfigurationError("a rule needs at least one Limit")
-        if not all(isinstance(limit, Limit) for limit in limits):
-            raise ConfigurationError("rule limits must be Limit instances")
         names = [limit.name for limit in limits]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"limit names within a rule must be unique, got {names}")
-        if not path.startswith("/"):
+        if not isinstance(path, str) or not path.startswith("/"):
             raise ConfigurationError(f"rule path must start with '/', got {path!r}")
-        if not _NAME.match(name):
-            raise ConfigurationError(
-                f"rule name must be 1-64 characters of A-Z a-z 0-9 _ . : / + -, got {name!r}"
-            )
+        path = path.rstrip("/") or "/"
+        pattern = compile_path(path)
+        normalized = None if methods is None else frozenset(normalize_method(m) for m in methods)
+        if normalized is not None and not normalized:
+            raise ConfigurationError("rule methods must name at least one method, or be None")
+        if name is None:
+            name = _derived_name(path, normalized)
+        elif not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigurationError(f"rule name must be {_NAME_RULE}, got {name!r}")
         object.__setattr__(self, "limits", limits)
-        object.__setattr__(self, "path", path.rstrip("/") or "/")
-        object.__setattr__(
-            self,
-            "methods",
-            None if methods is None else frozenset(normalize_method(m) for m in methods),
-        )
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "methods", normalized)
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shared", bool(shared))
+        object.__setattr__(self, "websocket", bool(websocket))
+        object.__setattr__(self, "pattern", pattern)
 
     def matches(self, method: str, path: str) -> bool:
         """Whether a request is selected: ``path`` equals the prefix or lies below it.
@@ -89,7 +184,50 @@ class Rule:
         """
         if self.methods is not None and method not in self.methods:
             return False
+        if self.pattern is not None:
+            return self.pattern.match(path) is not None
         return path_matches(self.path, path)
+
+    def signature(self) -> tuple[object, ...]:
+        """What a namespace means: two rules with one name must agree on it (see Namespaces)."""
+        limits = tuple((limit.name, limit.amount, float(limit.window)) for limit in self.limits)
+        if self.shared:
+            return ("shared", limits)
+        methods = None if self.methods is None else tuple(sorted(self.methods))
+        return ("rule", self.path, methods, limits)
+
+
+def _derived_name(path: str, methods: frozenset[str] | None) -> str:
+    """The namespace of a rule without a name: stable across processes and restarts."""
+    if methods is None:
+        return "default" if path == "/" else path
+    return "+".join(sorted(methods)) + ":" + path
+
+
+def compile_path(path: str) -> re.Pattern[str] | None:
+    """A prefix matcher for a path with ``{param}`` templates, or None for a plain prefix."""
+    if _PATH_CHARS.match(path) is None:
+        raise ConfigurationError(
+            f"rule path must be printable ASCII without spaces (percent-encode the rest),"
+            f" got {path!r}"
+        )
+    if "{" not in path and "}" not in path:
+        return None
+    parts: list[str] = []
+    end = 0
+    for match in _PLACEHOLDER.finditer(path):
+        parts.append(re.escape(path[end : match.start()]))
+        parts.append(".+" if match.group(2) == "path" else "[^/]+")
+        end = match.end()
+    rest = path[end:]
+    if "{" in rest or "}" in rest or any("{" in p or "}" in p for p in parts):
+        raise ConfigurationError(
+            f"rule path templates are {{name}} or {{name:convertor}} (letters, digits, _),"
+            f" got {path!r}"
+        )
+    parts.append(re.escape(rest))
+    # Segment-wise like a prefix: the template itself, or anything below it.
+    return re.compile("".join(parts) + r"(?:/|\Z)")
 
 
 def normalize_method(method: str) -> str:

@@ -1,0 +1,208 @@
+"""Rate strings, route templates, and counter namespaces that never collide by accident."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from porch import ConfigurationError, KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
+from porch._types import ASGIApp, Receive, Scope, Send
+
+pytestmark = pytest.mark.anyio
+
+
+async def ok(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path), size=2)
+    yield p
+    await p.close()
+
+
+def client(app: ASGIApp) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=("10.2.2.2", 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def counters(tmp_path: Path) -> dict[str, int]:
+    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
+        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+
+
+@pytest.mark.parametrize(
+    ("text", "amount", "window"),
+    [
+        ("5/minute", 5, 60),
+        ("5/minutes", 5, 60),
+        ("5 per minute", 5, 60),
+        ("5 PER Minute", 5, 60),
+        ("1/second", 1, 1),
+        ("10/s", 10, 1),
+        ("10/5s", 10, 5),
+        ("10 per 5 seconds", 10, 5),
+        ("3/2 hours", 3, 7200),
+        ("100/day", 100, 86400),
+        ("2/1.5s", 2, 1.5),
+        (" 7 / hour ", 7, 3600),
+    ],
+)
+def test_rate_strings(text: str, amount: int, window: float) -> None:
+    limit = Limit(text)
+    assert (limit.amount, limit.window) == (amount, window)
+    # The same default name (and so the same counters) as the numeric form.
+    assert limit == Limit(amount, window)
+
+
+def test_several_rates() -> None:
+    assert Limit.parse("100/day; 10/second") == (Limit(100, 86400), Limit(10, 1))
+    assert Limit.parse("1/s, 2/m") == (Limit(1, 1), Limit(2, 60))
+    rule = Rule("100/day; 10/second")
+    assert rule.limits == (Limit(100, 86400), Limit(10, 1))
+    assert Rule(["5/minute", Limit(1, 1, name="burst")]).limits == (
+        Limit(5, 60),
+        Limit(1, 1, name="burst"),
+    )
+    assert Limit("5/minute", name="login").name == "login"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: Limit("5/fortnight"),
+            "invalid rate '5/fortnight': unknown unit 'fortnight'"
+            " (use second, minute, hour or day)",
+        ),
+        (
+            lambda: Limit("five/minute"),
+            "invalid rate 'five/minute': expected '<amount>/<unit>' or"
+            " '<amount> per [<count>] <unit>', e.g. '5/minute', '10/5s'",
+        ),
+        (lambda: Limit("0/minute"), "limit amount must be an integer >= 1, got 0"),
+        (lambda: Limit("5/0s"), "limit window must be > 0 seconds, got 0"),
+        (lambda: Limit(""), "a rate string needs at least one rate, got ''"),
+        (lambda: Limit.parse(" ; "), "a rate string needs at least one rate, got ' ; '"),
+        (
+            lambda: Limit("1/s; 2/m"),
+            "Limit() takes one rate, got '1/s; 2/m'; use Limit.parse() for several",
+        ),
+        (
+            lambda: Limit("5/minute", 60),
+            "a rate string carries its own window; got Limit('5/minute', 60)",
+        ),
+        (lambda: Limit(5, True), "limit window must be > 0 seconds, got True"),
+        (
+            lambda: Rule("1/s", path="/a b"),
+            "rule path must be printable ASCII without spaces (percent-encode the rest),"
+            " got '/a b'",
+        ),
+        (
+            lambda: Rule("1/s", path="/users/{id"),
+            "rule path templates are {name} or {name:convertor} (letters, digits, _),"
+            " got '/users/{id'",
+        ),
+        (lambda: Rule([1]), "rule limits must be Limit instances or rate strings"),  # type: ignore[list-item]
+        (lambda: Rule("1/s", methods=[]), "rule methods must name at least one method, or be None"),
+    ],
+)
+def test_bad_configuration_is_refused_with_an_exact_message(make: object, message: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        make()  # type: ignore[operator]
+    assert str(info.value) == message
+
+
+def test_default_names_come_from_path_and_methods() -> None:
+    assert Rule("1/s").name == "default"  # the whole app: as before, so old counters keep
+    assert Rule("1/s", path="/login").name == "/login"
+    assert Rule("1/s", path="/login/", methods=["post", "HEAD"]).name == "GET+POST:/login"
+    assert Rule("1/s", path="/users/{id}/follow").name == "/users/{id}/follow"
+    assert Rule("1/s", path="/x", name="auth").name == "auth"
+
+
+@pytest.mark.parametrize(
+    ("path", "selected", "passed"),
+    [
+        (
+            "/users/{id}/follow",
+            ["/users/1/follow", "/users/abc/follow/"],
+            ["/users/1", "/users/1/x/follow", "/users//follow"],
+        ),
+        ("/users/{id:int}", ["/users/7", "/users/7/follow"], ["/users", "/usersx/7"]),
+        ("/files/{rest:path}", ["/files/a/b/c"], ["/files", "/files/"]),
+    ],
+)
+def test_templates_match_one_segment_per_parameter(
+    path: str, selected: list[str], passed: list[str]
+) -> None:
+    rule = Rule("1/s", path=path)
+    for p in selected:
+        assert rule.matches("GET", p), p
+    for p in passed:
+        assert not rule.matches("GET", p), p
+
+
+async def test_two_middlewares_with_default_names_count_apart(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    # The issue's report: five requests to /login made /signup answer 429.
+    inner = RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/signup"))
+    app = RateLimitMiddleware(inner, pool=pool, rules=Rule("5/minute", path="/login"))
+    async with client(app) as c:
+        assert [(await c.post("/login")).status_code for _ in range(6)] == [200] * 5 + [429]
+        assert (await c.post("/signup")).status_code == 200
+    rows = counters(tmp_path)
+    assert rows == {
+        "rl\x1f/login\x1f5-per-60s\x1f10.2.2.2": 5,
+        "rl\x1f/signup\x1f5-per-60s\x1f10.2.2.2": 1,
+    }
+
+
+async def test_a_taken_name_is_refused_when_the_limiter_is_built(pool: KeyPool) -> None:
+    RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/login", name="auth"))
+    with pytest.raises(ConfigurationError) as info:
+        RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/signup", name="auth"))
+    assert str(info.value) == (
+        "rule name 'auth' (RateLimitMiddleware rule '/signup') is already used on this pool by"
+        " RateLimitMiddleware rule '/login'; give one of them another name=, or shared=True on"
+        " both to count them together"
+    )
+    # The same rule built again (an app built twice, as tests do) is the same policy.
+    RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/login", name="auth"))
+
+
+async def test_shared_rules_count_together(pool: KeyPool, tmp_path: Path) -> None:
+    login = Rule("3/minute", path="/login", name="auth", shared=True)
+    signup = Rule("3/minute", path="/signup", name="auth", shared=True)
+    app = RateLimitMiddleware(ok, pool=pool, rules=[login, signup])
+    async with client(app) as c:
+        statuses = [
+            (await c.post(p)).status_code for p in ("/login", "/signup", "/login", "/signup")
+        ]
+    assert statuses == [200, 200, 200, 429]
+    assert counters(tmp_path) == {"rl\x1fauth\x1f3-per-60s\x1f10.2.2.2": 3}
+    with pytest.raises(ConfigurationError) as info:
+        RateLimitMiddleware(
+            ok, pool=pool, rules=Rule("9/minute", path="/reset", name="auth", shared=True)
+        )
+    assert "is shared with RateLimitMiddleware rule '/login' but its limits differ" in str(
+        info.value
+    )
+
+
+async def test_template_rule_counts_per_route(pool: KeyPool, tmp_path: Path) -> None:
+    app = RateLimitMiddleware(
+        ok, pool=pool, rules=Rule("2/minute", path="/users/{id}/follow", methods=["POST"])
+    )
+    async with client(app) as c:
+        statuses = [(await c.post(f"/users/{i}/follow")).status_code for i in (1, 2, 3)]
+        assert (await c.post("/users/1")).status_code == 200  # not selected, not counted
+    assert statuses == [200, 200, 429]
+    assert counters(tmp_path) == {"rl\x1fPOST:/users/{id}/follow\x1f2-per-60s\x1f10.2.2.2": 2}
