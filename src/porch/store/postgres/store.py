@@ -1,0 +1,444 @@
+"""The PostgreSQL store: several hosts share counters, stored responses and claims.
+
+One round trip per batch: every queued batch (a shard's drain; batches of
+several shards that queue while the connections are busy are coalesced) is
+sent as ONE call of the server-side function ``<schema>.apply`` in autocommit
+mode, which is one transaction. The function locks every row it touches in
+one global order, reads the server's clock, and decides each operation in
+arrival order; window arithmetic therefore uses the database server's clock,
+never an app host's.
+
+What frees a claim whose holder died: its lease. A claim is a row with a fence
+token (from a sequence: strictly increasing) and ``lease_until`` in server
+time, renewed by this process's heartbeat every ``lease / 3`` seconds for every
+claim it holds, in one statement. A holder that crashes, is frozen (SIGSTOP)
+or is cut off stops renewing, and its key can be claimed again ``lease``
+seconds (default 3) after its last renewal; if it wakes up later, its Save is
+refused (``"fenced"``) because the key's token moved on. ``close()`` ends the
+claims of this process at once.
+
+Availability: connections are opened with ``connect_timeout``, statements run
+under a server-side ``statement_timeout``, and every batch also has a
+client-side deadline, so a stopped or frozen server makes ``apply`` raise
+:class:`~porch.errors.StoreError` within seconds, never hang. A failed
+connection is dropped and opened again by the next batch: the store recovers
+by itself when the server is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import ConfigurationError, StoreError
+from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp, StoreStatistics
+from .claims import ListenerClaims
+from .schema import migrate, quote_schema
+
+__all__ = ["PostgresStore"]
+
+logger = logging.getLogger("porch.store.postgres")
+
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,47}")
+_HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW = 1, 2, 3, 4, 5, 6
+_NO_QUOTA = (1 << 62, 1 << 62)
+
+
+class _Renew:
+    """Extend the lease of a claim this process holds (the heartbeat's op)."""
+
+    __slots__ = ("key", "renewed", "token")
+
+    def __init__(self, key: str, token: int) -> None:
+        self.key = key
+        self.token = token
+        self.renewed = False
+
+
+_Op = StoreOp | _Renew
+_Job = tuple[Sequence[_Op], "asyncio.Future[None]"]
+
+
+def _driver() -> Any:
+    try:
+        import asyncpg
+    except ImportError as exc:
+        raise ConfigurationError(
+            "the PostgreSQL store needs the asyncpg driver: pip install 'porch[postgres]'"
+        ) from exc
+    return asyncpg
+
+
+class PostgresStore:
+    """Counters, stored responses and idempotency claims in PostgreSQL, shared by several hosts.
+
+    ``url``: ``postgresql://user@host:port/database`` (any libpq-style URL
+    asyncpg accepts). ``schema``: where porch keeps its tables (created and
+    migrated on open). ``lease``: seconds a claim outlives its holder's last
+    heartbeat. ``connections``: connections used for batches (plus one that
+    listens). ``connect_timeout`` / ``statement_timeout``: seconds before a
+    batch fails with StoreError when the server does not answer.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str = "porch",
+        lease: float = 3.0,
+        connections: int = 4,
+        connect_timeout: float = 3.0,
+        statement_timeout: float = 4.0,
+        prune_batch: int = 64,
+    ) -> None:
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigurationError(
+                f"url must start with postgresql:// or postgres://, got {url.split('://')[0]!r}"
+            )
+        if not _SCHEMA.fullmatch(schema):
+            raise ConfigurationError(
+                f"schema must be a lower-case identifier of at most 48 characters, got {schema!r}"
+            )
+        if not 0.3 <= lease <= 3600:
+            raise ConfigurationError(f"lease must be 0.3-3600 seconds, got {lease}")
+        if not 1 <= connections <= 64:
+            raise ConfigurationError(f"connections must be 1-64, got {connections}")
+        if not 0 < connect_timeout <= 60:
+            raise ConfigurationError(f"connect_timeout must be 0-60 seconds, got {connect_timeout}")
+        if not 0 < statement_timeout <= 60:
+            raise ConfigurationError(
+                f"statement_timeout must be 0-60 seconds, got {statement_timeout}"
+            )
+        if prune_batch < 1:
+            raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
+        self._asyncpg = _driver()
+        self.url = url
+        self.schema = schema
+        self.lease = float(lease)
+        self.connections = connections
+        self.connect_timeout = float(connect_timeout)
+        self.statement_timeout = float(statement_timeout)
+        self.prune_batch = prune_batch
+        self.channel = f"porch_claims_{schema}"
+        self.claims = ListenerClaims(self._connect, self.channel, self.lease)
+        self._sql = (
+            f"SELECT * FROM {quote_schema(schema)}.apply("
+            "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
+        )
+        self._queue: asyncio.Queue[_Job | None] | None = None
+        self._workers: list[asyncio.Task[None]] = []
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._held: dict[str, int] = {}  # claims this process holds: key -> token
+        self._transactions = 0
+        self._operations = 0
+        self._failures = 0
+
+    # -- connections -------------------------------------------------------------------
+
+    async def _connect(self) -> Any:
+        try:
+            return await asyncio.wait_for(
+                self._asyncpg.connect(
+                    self.url,
+                    timeout=self.connect_timeout,
+                    command_timeout=None,
+                    server_settings={
+                        "application_name": "porch",
+                        "statement_timeout": str(int(self.statement_timeout * 1000)),
+                        "idle_in_transaction_session_timeout": str(
+                            int(self.statement_timeout * 1000)
+                        ),
+                    },
+                ),
+                self.connect_timeout + 0.5,
+            )
+        except TimeoutError as exc:
+            raise StoreError(
+                f"PostgreSQL did not accept a connection within {self.connect_timeout:g}s"
+            ) from exc
+        except (OSError, self._asyncpg.PostgresError) as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._queue is not None:
+            return
+        conn = await self._connect()
+        try:
+            version = await asyncio.wait_for(
+                migrate(conn, self.schema), self.statement_timeout + self.connect_timeout
+            )
+        except TimeoutError as exc:
+            conn.terminate()
+            raise StoreError("PostgreSQL did not answer while migrating the schema") from exc
+        except self._asyncpg.PostgresError as exc:
+            conn.terminate()
+            raise StoreError(
+                f"cannot migrate the PostgreSQL schema {self.schema!r}: {exc}"
+            ) from exc
+        except BaseException:
+            conn.terminate()
+            raise
+        if version == 0:
+            logger.info("porch: created the PostgreSQL schema %r", self.schema)
+        self._queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        first: list[Any] = [conn]
+        for i in range(self.connections):
+            self._workers.append(
+                loop.create_task(self._worker(first.pop() if first else None), name=f"porch-pg-{i}")
+            )
+        self.claims.start()
+        self._heartbeat = loop.create_task(self._renew_forever(), name="porch-pg-heartbeat")
+
+    async def close(self) -> None:
+        queue = self._queue
+        if queue is None:
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+        if self._held:
+            # End this process's claims now, rather than at their lease's end.
+            ops = [Release(key, token) for key, token in sorted(self._held.items())]
+            try:
+                await self.apply(ops)
+            except StoreError as exc:
+                logger.warning("porch: could not end this process's claims on close: %s", exc)
+        self._queue = None
+        for _ in self._workers:
+            queue.put_nowait(None)
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+        await self.claims.stop()
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(self._transactions, self._operations, self._failures)
+
+    def held(self) -> dict[str, int]:
+        """The claims this process holds and renews (key -> token)."""
+        return dict(self._held)
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        await self._submit(ops)
+
+    async def _submit(self, ops: Sequence[_Op]) -> None:
+        queue = self._queue
+        if queue is None:
+            raise StoreError("the PostgreSQL store is not open")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue.put_nowait((ops, future))
+        deadline = self.statement_timeout + 1.0
+        try:
+            await asyncio.wait_for(asyncio.shield(future), deadline)
+        except TimeoutError as exc:
+            future.cancel()  # a worker that has not started it skips it
+            self._failures += 1
+            raise StoreError(f"PostgreSQL did not answer within {deadline:g}s") from exc
+
+    # -- the heartbeat -----------------------------------------------------------------------
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            if not self._held:
+                continue
+            renewals = [_Renew(k, t) for k, t in self._held.items()]
+            try:
+                await self._submit(renewals)
+            except StoreError as exc:
+                logger.warning("porch: renewing idempotency claims failed: %s", exc)
+
+    # -- the workers ---------------------------------------------------------------------
+
+    async def _worker(self, conn: Any) -> None:
+        queue = self._queue
+        if queue is None:  # pragma: no cover - open() creates the queue first
+            return
+        try:
+            while True:
+                job = await queue.get()
+                if job is None:
+                    return
+                jobs = [job]
+                stopping = False
+                while not queue.empty():  # group commit across shards
+                    more = queue.get_nowait()
+                    if more is None:
+                        stopping = True
+                        break
+                    jobs.append(more)
+                live = [j for j in jobs if not j[1].done()]
+                if live:
+                    conn = await self._run(conn, live)
+                if stopping:
+                    return
+        finally:
+            if conn is not None:
+                await _close(conn)
+
+    async def _run(self, conn: Any, jobs: list[_Job]) -> Any:
+        ops = [op for job_ops, _ in jobs for op in job_ops]
+        error: StoreError | None = None
+        try:
+            if conn is None or conn.is_closed():
+                conn = await self._connect()
+            rows = await asyncio.wait_for(
+                conn.fetch(self._sql, *self._arguments(ops)), self.statement_timeout + 0.5
+            )
+            self._results(ops, rows)
+            self._transactions += 1
+            self._operations += len(ops)
+        except StoreError as exc:
+            error = exc
+        except TimeoutError:
+            error = StoreError(
+                f"PostgreSQL did not answer within {self.statement_timeout + 0.5:g}s"
+            )
+        except Exception as exc:  # driver and server errors alike
+            error = StoreError(f"PostgreSQL store: {exc}")
+        if error is not None:
+            self._failures += 1
+            logger.error("porch: PostgreSQL batch failed: %s", error)
+            if conn is not None:
+                conn.terminate()  # its state is unknown: the next batch reconnects
+            conn = None
+        for _, future in jobs:
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+        return conn
+
+    def _arguments(self, ops: list[_Op]) -> list[Any]:
+        n = len(ops)
+        kinds = [0] * n
+        keys: list[str] = [""] * n
+        lkeys: list[str] = []
+        lamounts: list[int] = []
+        lwindows: list[float] = []
+        lops: list[int] = []
+        tokens: list[int | None] = [None] * n
+        digests: list[bytes | None] = [None] * n
+        statuses: list[int | None] = [None] * n
+        headers: list[str | None] = [None] * n
+        bodies: list[bytes | None] = [None] * n
+        ttls: list[float | None] = [None] * n
+        scopes: list[str | None] = [None] * n
+        scope_caps: list[int | None] = [None] * n
+        total_caps: list[int | None] = [None] * n
+        for i, op in enumerate(ops):
+            kind = type(op)
+            if kind is Hit:
+                hit: Any = op
+                kinds[i] = _HIT
+                for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+                    lkeys.append(key)
+                    lamounts.append(amount)
+                    lwindows.append(float(window))
+                    lops.append(i + 1)
+                continue
+            keys[i] = op.key  # type: ignore[union-attr]
+            if kind is Lookup:
+                kinds[i] = _LOOKUP
+            elif kind is Claim:
+                kinds[i] = _CLAIM
+            elif kind is Save:
+                save: Any = op
+                kinds[i] = _SAVE
+                tokens[i] = save.token
+                r = save.response
+                digests[i] = r.digest
+                statuses[i] = r.status
+                headers[i] = json.dumps(
+                    [(k.decode("latin-1"), v.decode("latin-1")) for k, v in r.headers]
+                )
+                bodies[i] = r.body
+                ttls[i] = float(save.ttl)
+                scopes[i] = save.scope
+                quota = save.quota
+                scope_caps[i], total_caps[i] = (
+                    _NO_QUOTA if quota is None else (quota.scope_bytes, quota.total_bytes)
+                )
+            elif kind is Release:
+                kinds[i] = _RELEASE
+                tokens[i] = op.token  # type: ignore[union-attr]
+            else:
+                kinds[i] = _RENEW
+                tokens[i] = op.token  # type: ignore[union-attr]
+        return [
+            kinds, keys, lkeys, lamounts, lwindows, lops, tokens, digests, statuses, headers,
+            bodies, ttls, scopes, scope_caps, total_caps, self.lease, self.prune_batch,
+            self.channel,
+        ]  # fmt: skip
+
+    def _results(self, ops: list[_Op], rows: list[Any]) -> None:
+        wall = 0.0
+        held = self._held
+        for row in rows:
+            i = row[0]
+            if i == 0:
+                wall = row[3]
+                continue
+            op = ops[i - 1]
+            code = row[1]
+            kind = type(op)
+            if kind is Hit:
+                hit: Any = op
+                hit.allowed = code == 1
+                hit.counts = list(row[4])
+                hit.resets = list(row[5])
+                hit.wall = wall
+            elif kind is Lookup:
+                lookup: Any = op
+                lookup.result = _stored(row) if code == 1 else None
+            elif kind is Claim:
+                claim: Any = op
+                if code == 1:
+                    claim.stored = _stored(row)
+                elif code == 2:
+                    claim.held = True
+                    claim.retry_after = row[3]
+                else:
+                    claim.token = row[2]
+                    held[claim.key] = claim.token
+            elif kind is Save:
+                save: Any = op
+                save.outcome = ("saved", "fenced", "quota")[code - 1]
+                if save.token and held.get(save.key) == save.token:
+                    del held[save.key]
+            elif kind is Release:
+                release: Any = op
+                release.released = code == 1
+                if held.get(release.key) == release.token:
+                    del held[release.key]
+            else:
+                renew: Any = op
+                renew.renewed = code == 1
+                if not renew.renewed and held.get(renew.key) == renew.token:
+                    del held[renew.key]  # lost (taken over): stop renewing it
+
+
+def _stored(row: Any) -> StoredResponse:
+    return StoredResponse(
+        bytes(row[6]),
+        int(row[7]),
+        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(row[8])),
+        bytes(row[9]),
+    )
+
+
+async def _close(conn: Any) -> None:
+    try:
+        await asyncio.wait_for(conn.close(), 1.0)
+    except Exception:
+        conn.terminate()

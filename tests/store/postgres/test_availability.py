@@ -1,0 +1,127 @@
+"""A stopped or frozen PostgreSQL server: StoreError within the timeouts, never a hang; recovery.
+
+Each test here runs its own throwaway server (tests/servers.py), since it stops
+or SIGSTOPs it. Bounds are generous (a loaded machine): what is asserted is
+"fails within the configured timeouts instead of hanging" and "serves again
+without being reopened", not a latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from porch.errors import StoreError
+from porch.store.base import Claim, Hit, Release
+from porch.store.postgres import PostgresStore
+from servers import PostgresServer, running_postgres
+
+pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]
+
+TIMEOUTS = {"connect_timeout": 1.0, "statement_timeout": 1.5}
+DEADLINE = 1.5 + 1.0  # statement_timeout + the client-side margin of apply()
+SLACK = 3.0  # a loaded machine
+
+
+@pytest.fixture
+def server() -> Iterator[PostgresServer]:
+    with running_postgres() as server:
+        yield server
+
+
+async def _hit(store: PostgresStore) -> Hit:
+    hit = Hit(["k"], [1000], [600.0])
+    await store.apply([hit])
+    return hit
+
+
+async def _served_again(store: PostgresStore, within: float = 30.0) -> Hit:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await _hit(store)
+        except StoreError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def test_a_stopped_server_fails_at_once_and_the_store_recovers(
+    server: PostgresServer,
+) -> None:
+    store = PostgresStore(server.url, **TIMEOUTS)
+    await store.open()
+    try:
+        assert (await _hit(store)).counts == [1]
+        server.stop()
+        for _ in range(3):  # the dropped connection, then refused reconnects
+            started = time.monotonic()
+            with pytest.raises(StoreError):
+                await _hit(store)
+            assert time.monotonic() - started < DEADLINE + SLACK
+        server.start()
+        assert (await _served_again(store)).counts == [2]  # the count survived the restart
+    finally:
+        await store.close()
+
+
+async def test_a_frozen_server_fails_within_the_timeouts_and_the_store_recovers(
+    server: PostgresServer,
+) -> None:
+    store = PostgresStore(server.url, **TIMEOUTS)
+    await store.open()
+    try:
+        assert (await _hit(store)).counts == [1]
+        server.freeze()
+        try:
+            for _ in range(2):  # an open connection that hangs, then a connect that hangs
+                started = time.monotonic()
+                with pytest.raises(StoreError):
+                    await _hit(store)
+                assert time.monotonic() - started < DEADLINE + SLACK
+        finally:
+            server.thaw()
+        hit = await _served_again(store)
+        assert hit.counts[0] >= 2  # a batch the frozen server had received may have committed
+    finally:
+        await store.close()
+
+
+async def test_the_listener_reconnects_and_wakes_every_watched_key(server: PostgresServer) -> None:
+    store = PostgresStore(server.url, lease=30.0, **TIMEOUTS)
+    await store.open()
+    try:
+        await asyncio.wait_for(store.claims.connected.wait(), 10)
+        woken: list[str] = []
+        both = asyncio.Event()
+
+        def wake(key: str) -> None:
+            woken.append(key)
+            if len(woken) == 2:
+                both.set()
+
+        for key in ("a", "b"):
+            store.claims.watch(key, lambda key=key: wake(key), 60.0)
+        server.stop()
+        server.start()
+        await asyncio.wait_for(both.wait(), 20)
+        # Woken by the reconnect, long before their 60 s timers.
+        assert sorted(woken) == ["a", "b"]
+        assert store.claims.reconnects == 1
+        # And notifications flow again on the new connection.
+        other = PostgresStore(server.url, lease=30.0, **TIMEOUTS)
+        await other.open()
+        try:
+            claim = Claim("c")
+            await other.apply([claim])
+            seen = asyncio.Event()
+            store.claims.watch("c", seen.set, 60.0)
+            await other.apply([Release("c", claim.token)])
+            await asyncio.wait_for(seen.wait(), 10)
+        finally:
+            await other.close()
+    finally:
+        await store.close()

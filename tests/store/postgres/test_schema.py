@@ -1,0 +1,115 @@
+"""PostgreSQL specifics: versioned migrations, a plain role, configuration, the optional driver."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+
+import asyncpg
+import pytest
+
+from porch.errors import ConfigurationError, StoreError
+from porch.store.base import Claim, Hit
+from porch.store.postgres import PostgresStore
+from porch.store.postgres.schema import SCHEMA_VERSION
+
+pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+
+
+async def _versions(url: str, schema: str) -> list[int]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(f'SELECT version FROM "{schema}".migrations ORDER BY version')
+        return [r[0] for r in rows]
+    finally:
+        await conn.close()
+
+
+async def test_hosts_opening_at_once_migrate_exactly_once(postgres_url: str, schema: str) -> None:
+    stores = [PostgresStore(postgres_url, schema=schema) for _ in range(4)]
+    await asyncio.gather(*(s.open() for s in stores))
+    try:
+        assert await _versions(postgres_url, schema) == list(range(1, SCHEMA_VERSION + 1))
+        hits = [Hit(["k"], [100], [60.0]) for _ in stores]
+        await asyncio.gather(*(s.apply([h]) for s, h in zip(stores, hits, strict=True)))
+        assert sorted(h.counts[0] for h in hits) == [1, 2, 3, 4]
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
+    again = PostgresStore(postgres_url, schema=schema)
+    await again.open()  # finds the schema current: nothing to do
+    await again.close()
+    assert await _versions(postgres_url, schema) == list(range(1, SCHEMA_VERSION + 1))
+
+
+async def test_a_schema_from_a_newer_porch_is_refused(postgres_url: str, schema: str) -> None:
+    store = PostgresStore(postgres_url, schema=schema)
+    await store.open()
+    await store.close()
+    conn = await asyncpg.connect(postgres_url)
+    try:
+        await conn.execute(f'INSERT INTO "{schema}".migrations (version) VALUES (999)')
+    finally:
+        await conn.close()
+    with pytest.raises(StoreError, match="newer than this porch understands"):
+        await PostgresStore(postgres_url, schema=schema).open()
+
+
+async def test_a_plain_role_that_owns_one_database_is_enough(postgres_url: str) -> None:
+    tag = uuid.uuid4().hex[:10]
+    role, database = f"porch_role_{tag}", f"porch_db_{tag}"
+    admin = await asyncpg.connect(postgres_url)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE")
+        await admin.execute(f"CREATE DATABASE {database} OWNER {role}")
+        base = postgres_url.rsplit("/", 1)[0].replace("postgres@", f"{role}@")
+        store = PostgresStore(f"{base}/{database}")
+        await store.open()
+        try:
+            claim, hit = Claim("k"), Hit(["c"], [1], [60.0])
+            await store.apply([claim, hit])
+            assert claim.token > 0
+            assert hit.allowed
+        finally:
+            await store.close()
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
+async def test_an_unreachable_server_fails_open_with_a_store_error() -> None:
+    store = PostgresStore("postgresql://nobody@127.0.0.1:9/none", connect_timeout=1.0)
+    with pytest.raises(StoreError, match="cannot connect to PostgreSQL"):
+        await store.open()
+    with pytest.raises(StoreError, match="not open"):
+        await store.apply([Hit(["k"], [1], [1.0])])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"schema": "Bad-Name"}, "schema must be a lower-case identifier of at most 48 characters"),
+        ({"lease": 0.1}, "lease must be 0.3-3600 seconds, got 0.1"),
+        ({"connections": 0}, "connections must be 1-64, got 0"),
+        ({"connect_timeout": 0}, "connect_timeout must be 0-60 seconds, got 0"),
+        ({"statement_timeout": 61}, "statement_timeout must be 0-60 seconds, got 61"),
+        ({"prune_batch": 0}, "prune_batch must be >= 1, got 0"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        PostgresStore("postgresql://u@127.0.0.1/db", **options)  # type: ignore[arg-type]
+    assert str(raised.value).startswith(message)
+
+
+def test_a_url_of_another_scheme_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="url must start with postgresql://"):
+        PostgresStore("mysql://u@h/db")
+
+
+def test_a_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "asyncpg", None)  # import asyncpg now raises ImportError
+    with pytest.raises(ConfigurationError) as raised:
+        PostgresStore("postgresql://u@127.0.0.1/db")
+    assert "pip install 'porch[postgres]'" in str(raised.value)
