@@ -9,6 +9,7 @@ without being reopened", not a latency.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterator
 
@@ -21,7 +22,11 @@ from servers import PostgresServer, running_postgres
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]
 
-TIMEOUTS = {"connect_timeout": 1.0, "statement_timeout": 1.5}
+
+def _store(url: str, *, lease: float = 3.0) -> PostgresStore:
+    return PostgresStore(url, lease=lease, connect_timeout=1.0, statement_timeout=1.5)
+
+
 DEADLINE = 1.5 + 1.0  # statement_timeout + the client-side margin of apply()
 SLACK = 3.0  # a loaded machine
 
@@ -52,7 +57,7 @@ async def _served_again(store: PostgresStore, within: float = 30.0) -> Hit:
 async def test_a_stopped_server_fails_at_once_and_the_store_recovers(
     server: PostgresServer,
 ) -> None:
-    store = PostgresStore(server.url, **TIMEOUTS)
+    store = _store(server.url)
     await store.open()
     try:
         assert (await _hit(store)).counts == [1]
@@ -71,7 +76,7 @@ async def test_a_stopped_server_fails_at_once_and_the_store_recovers(
 async def test_a_frozen_server_fails_within_the_timeouts_and_the_store_recovers(
     server: PostgresServer,
 ) -> None:
-    store = PostgresStore(server.url, **TIMEOUTS)
+    store = _store(server.url)
     await store.open()
     try:
         assert (await _hit(store)).counts == [1]
@@ -91,7 +96,7 @@ async def test_a_frozen_server_fails_within_the_timeouts_and_the_store_recovers(
 
 
 async def test_the_listener_reconnects_and_wakes_every_watched_key(server: PostgresServer) -> None:
-    store = PostgresStore(server.url, lease=30.0, **TIMEOUTS)
+    store = _store(server.url, lease=30.0)
     await store.open()
     try:
         await asyncio.wait_for(store.claims.connected.wait(), 10)
@@ -104,7 +109,7 @@ async def test_the_listener_reconnects_and_wakes_every_watched_key(server: Postg
                 both.set()
 
         for key in ("a", "b"):
-            store.claims.watch(key, lambda key=key: wake(key), 60.0)
+            store.claims.watch(key, functools.partial(wake, key), 60.0)
         server.stop()
         server.start()
         await asyncio.wait_for(both.wait(), 20)
@@ -112,7 +117,7 @@ async def test_the_listener_reconnects_and_wakes_every_watched_key(server: Postg
         assert sorted(woken) == ["a", "b"]
         assert store.claims.reconnects == 1
         # And notifications flow again on the new connection.
-        other = PostgresStore(server.url, lease=30.0, **TIMEOUTS)
+        other = _store(server.url, lease=30.0)
         await other.open()
         try:
             claim = Claim("c")
