@@ -4,7 +4,8 @@ uvicorn builds the app in each server process from the environment:
 ``BENCH_VARIANT`` names the variant, ``BENCH_DATA`` the data directory,
 ``BENCH_WINDOW`` the limiter window (seconds), ``BENCH_TRUST_HOPS`` the trusted
 proxy hops (for runs that set a different forwarded client per request), and
-``BENCH_REDIS`` the Redis URL of the Redis-backed peers.
+``BENCH_REDIS`` the Redis URL of the Redis-backed peers, ``BENCH_POSTGRES`` and
+``BENCH_SCHEMA`` the PostgreSQL URL and schema of the PostgreSQL-backed rows.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from porch import (
     Rule,
     SQLiteStore,
 )
+from porch.store.base import Store
 
 VARIANTS = (
     "bare",
     "bare-headers",
     "limiter",
     "limiter-power",
+    "limiter-postgres",
     "idempotency",
+    "idempotency-postgres",
     "slowapi-memory",
     "slowapi-redis",
     "peer-idempotency",
@@ -74,6 +78,15 @@ def create() -> Starlette:
     redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
     pools: list[KeyPool] = []
 
+    def store() -> Store:
+        if variant.endswith("-postgres"):
+            from porch.store.postgres import PostgresStore
+
+            return PostgresStore(
+                os.environ["BENCH_POSTGRES"], schema=os.environ.get("BENCH_SCHEMA", "porch")
+            )
+        return SQLiteStore(data, durability="power" if variant == "limiter-power" else "process")
+
     headers = LIMITER_HEADERS if variant == "bare-headers" else None
 
     async def hello(request: Request) -> Response:
@@ -106,10 +119,8 @@ def create() -> Starlette:
         return _slowapi(routes, hello, "memory://" if variant == "slowapi-memory" else redis_url)
 
     app = Starlette(routes=routes)
-    if variant in ("limiter", "limiter-power"):
-        pool = KeyPool(
-            SQLiteStore(data, durability="power" if variant == "limiter-power" else "process")
-        )
+    if variant in ("limiter", "limiter-power", "limiter-postgres"):
+        pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(
             RateLimitMiddleware,
@@ -118,8 +129,8 @@ def create() -> Starlette:
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
         )
-    elif variant == "idempotency":
-        pool = KeyPool(SQLiteStore(data))
+    elif variant in ("idempotency", "idempotency-postgres"):
+        pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(
             IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders", methods=["POST"])

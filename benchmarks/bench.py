@@ -27,6 +27,7 @@ from typing import Any
 from _harness import (
     BODY,
     ROOT,
+    Postgres,
     Redis,
     Server,
     connection_split,
@@ -64,6 +65,7 @@ class Case:
     path: str = "/"
     workers: int = 1
     redis: str = ""  # "", "plain" or "fsync"
+    postgres: bool = False  # a PostgreSQL server on loopback (fsync and synchronous_commit on)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -121,6 +123,32 @@ CASES = (
         "asgi-idempotency-header (memory), one key",
         "/orders",
     ),
+    Case(
+        "limiter-postgres",
+        "limiter-postgres",
+        GET,
+        "bare",
+        "porch limiter on PostgreSQL (loopback, synchronous_commit on)",
+        postgres=True,
+    ),
+    Case(
+        "idem-first-postgres",
+        "idempotency-postgres",
+        POST_NEW_KEY,
+        "bare-post",
+        "porch idempotency on PostgreSQL, a new key per request",
+        "/orders",
+        postgres=True,
+    ),
+    Case(
+        "idem-replay-postgres",
+        "idempotency-postgres",
+        POST_SAME_KEY,
+        "bare-post",
+        "porch idempotency on PostgreSQL, one key (replays)",
+        "/orders",
+        postgres=True,
+    ),
     Case("bare-2w", "bare", GET, "bare-2w", "bare, 2 workers", workers=2),
     Case("limiter-2w", "limiter", GET, "bare-2w", "porch limiter, 2 workers", workers=2),
     Case("bare-4w", "bare", GET, "bare-4w", "bare, 4 workers", workers=4),
@@ -129,12 +157,19 @@ CASES = (
 
 
 def measure(
-    case: Case, args: argparse.Namespace, tmp: Path, redis: dict[str, Redis]
+    case: Case,
+    args: argparse.Namespace,
+    tmp: Path,
+    redis: dict[str, Redis],
+    postgres: Postgres | None = None,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=tmp))
     env = dict(case.env)
     if case.redis:
         env["BENCH_REDIS"] = redis[case.redis].url
+    if case.postgres and postgres is not None:
+        env["BENCH_POSTGRES"] = postgres.url
+        env["BENCH_SCHEMA"] = data.name.replace("-", "_").lower()  # fresh tables per run
     server = Server(case.variant, data, workers=case.workers, env=env)
     try:
         load(server.url, case.path, case.lua, connections=args.connections, duration=1, tmp=tmp)
@@ -232,13 +267,16 @@ def main() -> int:
         )
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cases}
     redis: dict[str, Redis] = {}
+    postgres: Postgres | None = None
     try:
         for kind in sorted({c.redis for c in cases if c.redis}):
             redis[kind] = Redis(fsync=kind == "fsync")
+        if any(c.postgres for c in cases):
+            postgres = Postgres()
         with tempfile.TemporaryDirectory(prefix="porch-bench-") as tmpdir:
             for round_ in range(args.rounds):
                 for case in cases:
-                    r = measure(case, args, Path(tmpdir), redis)
+                    r = measure(case, args, Path(tmpdir), redis, postgres)
                     runs[case.name].append(r)
                     print(
                         f"round {round_ + 1} {case.name:20} {r['rps']:9.0f} rps  "
@@ -250,6 +288,8 @@ def main() -> int:
     finally:
         for server in redis.values():
             server.stop()
+        if postgres is not None:
+            postgres.stop()
     report = {
         "command": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

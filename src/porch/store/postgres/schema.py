@@ -66,15 +66,18 @@ _MIGRATIONS: tuple[str, ...] = (
 
 SCHEMA_VERSION = len(_MIGRATIONS)
 
-# The batch function is (re)created by every open: it is code, not data, and
-# replacing it keeps it in step with this porch version without a migration.
+# The batch function is code, not data: every open creates (or replaces) it.
+# Its name carries its interface version, so hosts of two porch versions
+# sharing one schema during an upgrade each call their own.
 # Inputs are parallel arrays, one entry per op (kind 1 hit, 2 lookup, 3 claim,
-# 4 save, 5 release, 6 renew), plus the hits' limits flattened with the index
-# of their op. One output row per op; op 0 carries the server time.
+# 4 save, 5 release, 6 renew); the hits' limits come flattened: the distinct
+# counter keys (ukeys), then per limit the index of its key, its amount and
+# window, and per hit its op number and its first limit. One output row per
+# op; op 0 carries the server time.
 APPLY_FUNCTION = r"""
-CREATE OR REPLACE FUNCTION {s}.apply(
+CREATE OR REPLACE FUNCTION {s}.apply_v1(
     kinds int[], keys text[],
-    lkeys text[], lamounts int[], lwindows float8[], lops int[],
+    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
     tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
     ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
     lease float8, prune int, channel text
@@ -95,20 +98,25 @@ DECLARE
     used bigint;
     myslot int;
     saved boolean := false;
-    hk text[];
-    ha int[];
-    hw float8[];
+    cc int[];
+    cs float8[];
+    ce float8[];
+    nh int := coalesce(array_length(hops, 1), 0);
+    h int;
+    a int;
+    b int;
+    x int;
 BEGIN
     -- Lock phase, always in one global order (counters, records, usage rows,
     -- one total slot), each by key: concurrent batches never deadlock.
-    IF coalesce(array_length(lkeys, 1), 0) > 0 THEN
+    IF nh > 0 THEN
         INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT DISTINCT u.k, 0, 0, 0 FROM unnest(lkeys) u(k) ORDER BY 1
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY 1
             ON CONFLICT (key) DO NOTHING;
-        PERFORM 1 FROM counters c WHERE c.key = ANY (lkeys) ORDER BY c.key FOR UPDATE;
+        PERFORM 1 FROM counters c WHERE c.key = ANY (ukeys) ORDER BY c.key FOR UPDATE;
         -- A row pruned between the insert and the lock comes back, locked by its insert.
         INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT DISTINCT u.k, 0, 0, 0 FROM unnest(lkeys) u(k) ORDER BY 1
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY 1
             ON CONFLICT (key) DO NOTHING;
     END IF;
     SELECT array_agg(DISTINCT keys[j]) INTO rkeys
@@ -142,32 +150,53 @@ BEGIN
 
     op := 0; code := 0; num := t;
     RETURN NEXT;
+    num := NULL; tok := NULL; r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
+
+    -- Hits: each counter row is read once and written once per batch; in between
+    -- the hits are decided in arrival order on arrays (a refused hit consumes nothing).
+    IF nh > 0 THEN
+        SELECT array_agg(c.count ORDER BY u.n), array_agg(c.window_start ORDER BY u.n),
+               array_agg(c.expires ORDER BY u.n)
+            INTO cc, cs, ce
+            FROM unnest(ukeys) WITH ORDINALITY u(k, n) JOIN counters c ON c.key = u.k;
+        FOR h IN 1 .. nh LOOP
+            a := hstart[h];
+            b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
+            ok := true;
+            FOR j IN a .. b LOOP
+                x := lidx[j];
+                IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
+                    cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
+                END IF;
+                IF cc[x] >= lamounts[j] THEN
+                    ok := false;
+                END IF;
+            END LOOP;
+            IF ok THEN
+                FOR j IN a .. b LOOP
+                    cc[lidx[j]] := cc[lidx[j]] + 1;
+                END LOOP;
+            END IF;
+            counts := '{}'; resets := '{}';
+            FOR j IN a .. b LOOP
+                counts := counts || cc[lidx[j]];
+                resets := resets || (ce[lidx[j]] - t);
+            END LOOP;
+            op := hops[h]; code := ok::int;
+            RETURN NEXT;
+        END LOOP;
+        UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
+            FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e) WHERE c.key = u.k;
+        counts := NULL; resets := NULL;
+    END IF;
 
     FOR i IN 1 .. n LOOP
-        op := i; code := 0; tok := NULL; num := NULL; counts := NULL; resets := NULL;
+        op := i; code := 0; tok := NULL; num := NULL;
         r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
         k := keys[i];
         CASE kinds[i]
-        WHEN 1 THEN  -- hit: every limit decided together, a refused hit consumes nothing
-            SELECT array_agg(lkeys[j] ORDER BY j), array_agg(lamounts[j] ORDER BY j),
-                   array_agg(lwindows[j] ORDER BY j)
-                INTO hk, ha, hw FROM generate_subscripts(lops, 1) j WHERE lops[j] = i;
-            SELECT coalesce(bool_and(
-                    CASE WHEN c.expires <= t THEN u.a > 0 ELSE c.count < u.a END), true)
-                INTO ok FROM unnest(hk, ha) u(k, a) JOIN counters c ON c.key = u.k;
-            WITH w AS (
-                UPDATE counters c SET
-                    count = CASE WHEN c.expires <= t THEN 0 ELSE c.count END + ok::int,
-                    window_start = CASE WHEN c.expires <= t THEN t ELSE c.window_start END,
-                    expires = CASE WHEN c.expires <= t THEN t + u.w ELSE c.expires END
-                FROM (SELECT DISTINCT ON (x.k) x.k, x.w FROM unnest(hk, hw) x(k, w)) u
-                WHERE c.key = u.k
-                RETURNING c.key, c.count, c.expires
-            )
-            SELECT array_agg(w.count ORDER BY o.n), array_agg(w.expires - t ORDER BY o.n)
-                INTO counts, resets
-                FROM unnest(hk) WITH ORDINALITY o(k, n) JOIN w ON w.key = o.k;
-            code := ok::int;
+        WHEN 1 THEN  -- a hit: answered above
+            CONTINUE;
         WHEN 2 THEN  -- lookup: a live stored response, no lock
             SELECT r.digest, r.status, r.headers, r.body INTO r_digest, r_status, r_headers, r_body
                 FROM records r WHERE r.key = k AND r.status IS NOT NULL AND r.expires > t;
@@ -280,7 +309,7 @@ BEGIN
     END LOOP;
 
     -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
-    IF coalesce(array_length(lkeys, 1), 0) > 0 THEN
+    IF nh > 0 THEN
         DELETE FROM counters c WHERE c.key IN (
             SELECT x.key FROM counters x WHERE x.expires <= t
             ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);

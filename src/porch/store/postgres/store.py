@@ -127,8 +127,8 @@ class PostgresStore:
         self.channel = f"porch_claims_{schema}"
         self.claims = ListenerClaims(self._connect, self.channel, self.lease)
         self._sql = (
-            f"SELECT * FROM {quote_schema(schema)}.apply("
-            "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
+            f"SELECT * FROM {quote_schema(schema)}.apply_v1("
+            "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)"
         )
         self._queue: asyncio.Queue[_Job | None] | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -323,10 +323,12 @@ class PostgresStore:
         n = len(ops)
         kinds = [0] * n
         keys: list[str] = [""] * n
-        lkeys: list[str] = []
+        ukeys: dict[str, int] = {}
+        lidx: list[int] = []
         lamounts: list[int] = []
         lwindows: list[float] = []
-        lops: list[int] = []
+        hops: list[int] = []
+        hstart: list[int] = []
         tokens: list[int | None] = [None] * n
         digests: list[bytes | None] = [None] * n
         statuses: list[int | None] = [None] * n
@@ -341,11 +343,12 @@ class PostgresStore:
             if kind is Hit:
                 hit: Any = op
                 kinds[i] = _HIT
+                hops.append(i + 1)
+                hstart.append(len(lidx) + 1)
                 for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
-                    lkeys.append(key)
+                    lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
                     lamounts.append(amount)
                     lwindows.append(float(window))
-                    lops.append(i + 1)
                 continue
             keys[i] = op.key  # type: ignore[union-attr]
             if kind is Lookup:
@@ -376,7 +379,7 @@ class PostgresStore:
                 kinds[i] = _RENEW
                 tokens[i] = op.token  # type: ignore[union-attr]
         return [
-            kinds, keys, lkeys, lamounts, lwindows, lops, tokens, digests, statuses, headers,
+            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, tokens, digests, statuses, headers,
             bodies, ttls, scopes, scope_caps, total_caps, self.lease, self.prune_batch,
             self.channel,
         ]  # fmt: skip
