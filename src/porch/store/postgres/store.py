@@ -128,7 +128,8 @@ class PostgresStore:
         self.claims = ListenerClaims(self._connect, self.channel, self.lease)
         self._sql = (
             f"SELECT * FROM {quote_schema(schema)}.apply_v1("
-            "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)"
+            + ", ".join(f"${n}" for n in range(1, 21))
+            + ")"
         )
         self._queue: asyncio.Queue[_Job | None] | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -379,9 +380,9 @@ class PostgresStore:
                 kinds[i] = _RENEW
                 tokens[i] = op.token  # type: ignore[union-attr]
         return [
-            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, tokens, digests, statuses, headers,
-            bodies, ttls, scopes, scope_caps, total_caps, self.lease, self.prune_batch,
-            self.channel,
+            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, tokens, digests,
+            statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, self.lease,
+            self.prune_batch, self.channel,
         ]  # fmt: skip
 
     def _results(self, ops: list[_Op], rows: list[Any]) -> None:
