@@ -111,18 +111,26 @@ BEGIN
     -- one total slot), each by key: concurrent batches never deadlock.
     IF nh > 0 THEN
         INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY 1
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
             ON CONFLICT (key) DO NOTHING;
         PERFORM 1 FROM counters c WHERE c.key = ANY (ukeys) ORDER BY c.key FOR UPDATE;
         -- A row pruned between the insert and the lock comes back, locked by its insert.
         INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY 1
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
             ON CONFLICT (key) DO NOTHING;
     END IF;
     SELECT array_agg(DISTINCT keys[j]) INTO rkeys
         FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3;
     IF rkeys IS NOT NULL THEN
+        -- An absent key gets an empty row first, so that two hosts claiming a new
+        -- key at once queue on one row lock instead of both finding nothing.
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
         PERFORM 1 FROM records r WHERE r.key = ANY (rkeys) ORDER BY r.key FOR UPDATE;
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
     END IF;
     t := extract(epoch FROM clock_timestamp());
     -- Usage rows of the scopes whose bytes this batch may change: saves, and
@@ -137,7 +145,8 @@ BEGIN
               AND r.status IS NOT NULL AND r.expires <= t
     ) x WHERE x.scope IS NOT NULL;
     IF uscopes IS NOT NULL THEN
-        INSERT INTO usage AS g (scope, bytes) SELECT u.s, 0 FROM unnest(uscopes) u(s) ORDER BY 1
+        INSERT INTO usage AS g (scope, bytes) SELECT u.s, 0 FROM unnest(uscopes) u(s)
+            ORDER BY u.s COLLATE "C"
             ON CONFLICT (scope) DO NOTHING;
         PERFORM 1 FROM usage g WHERE g.scope = ANY (uscopes) ORDER BY g.scope FOR UPDATE;
         SELECT z.slot INTO myslot FROM usage_total z
@@ -307,6 +316,11 @@ BEGIN
         END CASE;
         RETURN NEXT;
     END LOOP;
+
+    IF rkeys IS NOT NULL THEN  -- the empty rows nobody claimed or filled
+        DELETE FROM records r
+            WHERE r.key = ANY (rkeys) AND r.status IS NULL AND r.lease_until IS NULL;
+    END IF;
 
     -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
     IF nh > 0 THEN
