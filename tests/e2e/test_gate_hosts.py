@@ -1,0 +1,375 @@
+"""The several-hosts gate: two ``porch demo`` processes sharing one ``--store``.
+
+Each host is a real demo process on its own port with its own ``--data-dir``
+(its own orders); the store URL is the same. Legs run per backend: the
+``shared`` fixture is parametrised, and a backend is one class below (a new
+backend is one more entry in BACKENDS). Counts come from the store's rows and
+the hosts' order tables, never from logs. Failure legs stop or SIGSTOP a
+server of the test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import pytest
+from demo_server import DEMO_KEY_PREFIX, DemoLauncher, DemoServer, launch_demos, orders_count
+from servers import PostgresServer, running_postgres
+
+pytestmark = [pytest.mark.e2e]
+
+CLIENT = "127.0.0.1"
+ORDER = {"item": "tea", "qty": 1}
+TIMEOUT = 30.0  # per request: far above every bound asserted here
+
+
+class Shared(Protocol):
+    """A backend as the gate sees it: a URL for ``--store`` and its rows."""
+
+    url: str
+
+    def count(self, client: str = CLIENT) -> int:
+        """The demo limiter's stored count for ``client`` (0 without a row)."""
+        ...
+
+
+class Postgres:
+    """A database of this test's own on a server of its own (which it may stop or freeze)."""
+
+    def __init__(self, server: PostgresServer) -> None:
+        self.server = server
+        self.database = f"gate_{uuid.uuid4().hex[:10]}"
+        _pg(server.url, f"CREATE DATABASE {self.database}")
+        self.url = server.url.rsplit("/", 1)[0] + "/" + self.database
+
+    def count(self, client: str = CLIENT) -> int:
+        rows = _pg(self.url, "SELECT count FROM porch.counters WHERE key = $1", DEMO_KEY_PREFIX + client)
+        return int(rows[0][0]) if rows else 0
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the server and every backend process."""
+        return _cpu([self.server.pid, *_children(self.server.pid)])
+
+
+def _pg(url: str, sql: str, *args: Any) -> list[Any]:
+    import asyncpg
+
+    async def run() -> list[Any]:
+        conn = await asyncpg.connect(url, timeout=10)
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+BACKENDS = [pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+def shared(request: pytest.FixtureRequest) -> Iterator[Shared]:
+    if request.param == "postgres":
+        with running_postgres() as server:
+            yield Postgres(server)
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[DemoLauncher]:
+    with launch_demos(tmp_path) as launcher:
+        yield launcher
+
+
+def two_hosts(
+    demo: DemoLauncher, shared: Shared, *, limit: int = 10000, window: float = 600, **options: Any
+) -> tuple[DemoServer, DemoServer]:
+    a = demo.start(limit=limit, window=window, store=shared.url, **options)
+    b = demo.start(limit=limit, window=window, store=shared.url, **options)
+    return a, b
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / _clock_ticks()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _host_pids(host: DemoServer) -> list[int]:
+    assert host.proc is not None
+    return [host.proc.pid, *_children(host.proc.pid)]
+
+
+async def _gets(urls: list[str]) -> list[int]:
+    limits = httpx.Limits(max_connections=len(urls))
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, trust_env=False) as client:
+        responses = await asyncio.gather(*(client.get(u) for u in urls))
+    return [r.status_code for r in responses]
+
+
+async def _orders(hosts: list[DemoServer], key: str) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(hosts))
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, trust_env=False) as client:
+        return list(
+            await asyncio.gather(
+                *(
+                    client.post(f"{h.base_url}/orders", json=ORDER, headers={"Idempotency-Key": key})
+                    for h in hosts
+                )
+            )
+        )
+
+
+def _post(host: DemoServer, key: str, timeout: float = TIMEOUT) -> httpx.Response:
+    return httpx.post(
+        f"{host.base_url}/orders",
+        json=ORDER,
+        headers={"Idempotency-Key": key},
+        timeout=timeout,
+        trust_env=False,
+    )
+
+
+def _orders_total(*hosts: DemoServer) -> int:
+    """Orders taken on every host (each host's own ``GET /orders`` count)."""
+    total = 0
+    for host in hosts:
+        response = httpx.get(f"{host.base_url}/orders", timeout=TIMEOUT, trust_env=False)
+        assert response.status_code == 200
+        total += int(response.json()["count"])
+    return total
+
+
+def _replayed(response: httpx.Response) -> tuple[int, str, bytes]:
+    return response.status_code, response.headers.get("content-type", ""), response.content
+
+
+# -- the legs ----------------------------------------------------------------------------
+
+
+def test_the_limit_is_exact_across_two_hosts(demo: DemoLauncher, shared: Shared) -> None:
+    a, b = two_hosts(demo, shared, limit=50)
+    urls = [f"{(a, b)[i % 2].base_url}/products" for i in range(100)]
+    statuses = Counter(asyncio.run(_gets(urls)))
+    assert statuses == {200: 50, 429: 50}
+    assert shared.count() == 50  # from the row: refused hits consumed nothing
+
+
+def test_ten_duplicates_over_two_hosts_make_one_order(demo: DemoLauncher, shared: Shared) -> None:
+    a, b = two_hosts(demo, shared, checkout_latency=1.0)
+    started = time.monotonic()
+    responses = asyncio.run(_orders([a, b] * 5, "one-order"))
+    elapsed = time.monotonic() - started
+    assert [r.status_code for r in responses] == [201] * 10
+    assert len({r.content for r in responses}) == 1  # ten identical bodies
+    assert _orders_total(a, b) == 1
+    # About one checkout, not ten: the duplicates waited for the owner (woken by NOTIFY).
+    assert elapsed < 6.0, elapsed
+
+
+@pytest.mark.slow
+def test_an_owner_killed_mid_checkout_is_taken_over_and_replayed(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    a, b = two_hosts(demo, shared, checkout_latency=2.0)
+
+    async def first_then_kill() -> None:
+        async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+            owner = asyncio.create_task(
+                client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "k9"})
+            )
+            await asyncio.sleep(0.7)  # a is inside the checkout now, holding the key
+            a.kill()
+            with pytest.raises(httpx.HTTPError):
+                await owner
+
+    asyncio.run(first_then_kill())
+    started = time.monotonic()
+    served = _post(b, "k9")
+    assert served.status_code == 201
+    assert time.monotonic() - started < 2.0 + 3.0 + 3.0  # checkout + lease + slack
+    a.restart()
+    replay = _post(a, "k9")
+    assert _replayed(replay) == _replayed(served)
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert orders_count(b) == 1
+
+
+@pytest.mark.slow
+def test_counts_survive_both_hosts_killed(demo: DemoLauncher, shared: Shared) -> None:
+    a, b = two_hosts(demo, shared, limit=6)
+    statuses = asyncio.run(_gets([f"{h.base_url}/products" for h in (a, b, a, b, a)]))
+    assert statuses == [200] * 5
+    a.kill()
+    b.kill()
+    a.restart()
+    b.restart()
+    assert shared.count() == 5
+    assert asyncio.run(_gets([f"{b.base_url}/products", f"{a.base_url}/products"])) in (
+        [200, 429],
+        [429, 200],
+    )
+    assert shared.count() == 6
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_stopped_or_frozen_server_is_503_never_a_hang_and_recovers(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    if not isinstance(shared, Postgres):
+        pytest.skip("a server to stop")
+    a, b = two_hosts(demo, shared)
+    assert asyncio.run(_gets([f"{a.base_url}/products", f"{b.base_url}/products"])) == [200, 200]
+    for host in (a, b):
+        _served_within(host, 0.0)
+
+    shared.server.stop()
+    for host in (a, b):
+        started = time.monotonic()
+        assert httpx.get(f"{host.base_url}/products", timeout=TIMEOUT).status_code == 503
+        assert time.monotonic() - started < 2.0  # refused connections: at once
+        assert httpx.get(f"{host.base_url}/health", timeout=TIMEOUT).status_code == 200
+    shared.server.start()
+    for host in (a, b):
+        _served_within(host, 20.0)
+
+    shared.server.freeze()
+    try:
+        for host in (a, b):
+            started = time.monotonic()
+            assert httpx.get(f"{host.base_url}/products", timeout=TIMEOUT).status_code == 503
+            assert time.monotonic() - started < 5.0 + 3.0  # the deadline, plus slack
+            assert httpx.get(f"{host.base_url}/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        shared.server.thaw()
+    for host in (a, b):
+        _served_within(host, 20.0)
+
+
+def _served_within(host: DemoServer, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        status = httpx.get(f"{host.base_url}/products", timeout=TIMEOUT).status_code
+        if status == 200:
+            return
+        assert status == 503, status
+        assert time.monotonic() < deadline, "not served again without a restart"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_frozen_owner_is_taken_over_and_fenced_when_it_wakes(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    a, b = two_hosts(demo, shared, checkout_latency=2.0)
+    assert a.proc is not None
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+            owner = asyncio.create_task(
+                client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "zz"})
+            )
+            await asyncio.sleep(0.7)
+            os.killpg(a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                started = time.monotonic()
+                taker = await client.post(
+                    f"{b.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "zz"}
+                )
+                assert time.monotonic() - started < 2.0 + 3.0 + 3.0
+            finally:
+                os.killpg(a.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+            return await owner, taker
+
+    first, taker = asyncio.run(run())
+    assert taker.status_code == 201
+    assert first.status_code == 201  # the woken owner answers its own client
+    # Its save was fenced: both hosts replay the taker's response.
+    for host in (a, b):
+        assert _replayed(_post(host, "zz")) == _replayed(taker)
+    assert orders_count(b) == 1
+
+
+@pytest.mark.slow
+def test_a_host_two_hours_ahead_still_cuts_at_the_limit(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    ahead = demo.start(limit=10, window=600, store=shared.url, env=demo.faketime_env("+2h"))
+    now = demo.start(limit=10, window=600, store=shared.url)
+    statuses = []
+    for i in range(14):
+        host = (ahead, now)[i % 2]
+        statuses.append(httpx.get(f"{host.base_url}/products", timeout=TIMEOUT).status_code)
+    assert statuses == [200] * 10 + [429] * 4
+    assert shared.count() == 10
+
+
+@pytest.mark.slow
+def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> None:
+    a, b = two_hosts(demo, shared, checkout_latency=5.0)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            timeout=TIMEOUT, limits=httpx.Limits(max_connections=12), trust_env=False
+        ) as client:
+            owner = asyncio.create_task(
+                client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "p"})
+            )
+            await asyncio.sleep(0.5)
+            parked = [
+                asyncio.create_task(
+                    client.post(
+                        f"{(a, b)[i % 2].base_url}/orders",
+                        json=ORDER,
+                        headers={"Idempotency-Key": "p"},
+                    )
+                )
+                for i in range(11)
+            ]
+            await asyncio.sleep(1.0)  # all parked now
+            pids = _host_pids(a) + _host_pids(b)
+            before_hosts = _cpu(pids)
+            before_db = shared.cpu_seconds() if isinstance(shared, Postgres) else 0.0
+            await asyncio.sleep(2.0)
+            used_hosts = _cpu(pids) - before_hosts
+            used_db = (shared.cpu_seconds() - before_db) if isinstance(shared, Postgres) else 0.0
+            # Polling would burn a core; a lease backstop re-claims about once a second.
+            assert used_hosts < 0.3, used_hosts
+            assert used_db < 0.3, used_db
+            return [await owner, *await asyncio.gather(*parked)]
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [201] * 12
+    assert len({r.content for r in responses}) == 1
+    assert _orders_total(a, b) == 1
