@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 from demo_server import DEMO_KEY_PREFIX, DemoLauncher, DemoServer, launch_demos, orders_count
+
 from servers import PostgresServer, running_postgres
 
 pytestmark = [pytest.mark.e2e]
@@ -52,7 +53,9 @@ class Postgres:
         self.url = server.url.rsplit("/", 1)[0] + "/" + self.database
 
     def count(self, client: str = CLIENT) -> int:
-        rows = _pg(self.url, "SELECT count FROM porch.counters WHERE key = $1", DEMO_KEY_PREFIX + client)
+        rows = _pg(
+            self.url, "SELECT count FROM porch.counters WHERE key = $1", DEMO_KEY_PREFIX + client
+        )
         return int(rows[0][0]) if rows else 0
 
     def cpu_seconds(self) -> float:
@@ -143,11 +146,17 @@ async def _orders(hosts: list[DemoServer], key: str) -> list[httpx.Response]:
         return list(
             await asyncio.gather(
                 *(
-                    client.post(f"{h.base_url}/orders", json=ORDER, headers={"Idempotency-Key": key})
+                    client.post(
+                        f"{h.base_url}/orders", json=ORDER, headers={"Idempotency-Key": key}
+                    )
                     for h in hosts
                 )
             )
         )
+
+
+def keyed(key: str) -> dict[str, str]:
+    return {"Idempotency-Key": key}
 
 
 def _post(host: DemoServer, key: str, timeout: float = TIMEOUT) -> httpx.Response:
@@ -322,9 +331,7 @@ def test_a_frozen_owner_is_taken_over_and_fenced_when_it_wakes(
 
 
 @pytest.mark.slow
-def test_a_host_two_hours_ahead_still_cuts_at_the_limit(
-    demo: DemoLauncher, shared: Shared
-) -> None:
+def test_a_host_two_hours_ahead_still_cuts_at_the_limit(demo: DemoLauncher, shared: Shared) -> None:
     ahead = demo.start(limit=10, window=600, store=shared.url, env=demo.faketime_env("+2h"))
     now = demo.start(limit=10, window=600, store=shared.url)
     statuses = []
