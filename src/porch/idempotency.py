@@ -571,7 +571,18 @@ class _Capture:
         except (StoreError, PoolClosedError) as exc:
             # The handler's work is done: deliver the response, but say
             # loudly that a retry will not be able to replay it.
-            logger.error("porch: could not store the response for replay: %s", exc)
+            # Throttled: with the store down, every owner would say it.
+            self.middleware._log.event(
+                logging.ERROR,
+                ("store", "save"),
+                asyncio.get_running_loop().time(),
+                1.0,
+                "porch: could not store the response for replay: %s",
+                exc,
+                scope=self.caller,
+                outcome="not_stored",
+                cause="store",
+            )
             return
         if outcome == "quota":
             self.middleware._over_quota(self.caller)

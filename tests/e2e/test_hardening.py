@@ -101,13 +101,16 @@ def test_full_disk_is_503_store_then_served_again(tmp_path: Path, demo: DemoLaun
             assert before == 20
 
             filler = fill(disk)
+            full_since = time.monotonic()
             full: Counter[int] = Counter()
             products_served = 0
+            products_refused = 0
             for i in range(300):  # new clients: new rows, new pages, more WAL
                 response = http.get("/products", headers=forwarded(f"10.1.{i // 250}.{i % 250}"))
                 check_answer(response)
                 full[response.status_code] += 1
                 products_served += response.status_code == 200
+                products_refused += response.status_code == 503
                 if i % 10 == 0:
                     keyed = http.post(
                         "/orders",
@@ -128,8 +131,22 @@ def test_full_disk_is_503_store_then_served_again(tmp_path: Path, demo: DemoLaun
                     break
                 assert time.monotonic() < deadline, "not served again after space came back"
                 time.sleep(0.2)
+            # The metrics saw every 503 the limiter answered (the orders' own are the demo's).
+            scraped = http.get("/metrics").text
         assert server.proc is not None
         assert server.proc.poll() is None, "the server died"
+        [unavailable] = [
+            float(line.rsplit(" ", 1)[1])
+            for line in scraped.splitlines()
+            if line.startswith('porch_unavailable_total{cause="store"}')
+        ]
+        assert unavailable >= products_refused > 0
+        # Hundreds of failed transactions, but the store's log line is throttled to one a
+        # second, and so are the middlewares' 503 lines.
+        seconds = time.monotonic() - full_since
+        for needle in ("SQLite transaction failed", "rate limit store failed"):
+            lines = server.stderr().count(needle)
+            assert 1 <= lines <= seconds + 2, (needle, lines, seconds)
         # Counts intact and exact: the earlier client kept every request it was served, and
         # while the disk was full every 200 was counted and no 503 was (it rolled back).
         assert server.count_for("10.0.0.1") == before + 1

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
+from ...eventlog import EventLog
 from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
 from .ops import apply_batch
@@ -84,6 +85,8 @@ class SQLiteStore:
         self.busy_timeout = busy_timeout
         self.prune_batch = prune_batch
         self.clock: Clock = clock if clock is not None else SystemClock()
+        # Used only from the writer thread.
+        self._log = EventLog(logger)
         # Idempotency owners of every process sharing this file lock keys here.
         self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
         self.claims: Claims = self._claims
@@ -222,7 +225,18 @@ class SQLiteStore:
                     self._transaction(conn, [op for ops, _ in jobs for op in ops])
                 except Exception as exc:
                     self._failures += 1
-                    logger.error("porch: SQLite transaction failed on %s: %s", self.path, exc)
+                    # Throttled (once a second, with a count): a full disk fails every batch.
+                    self._log.event(
+                        logging.ERROR,
+                        "transaction",
+                        self.clock.monotonic(),
+                        1.0,
+                        "porch: SQLite transaction failed on %s: %s",
+                        self.path,
+                        exc,
+                        cause="store",
+                        store=str(self.path),
+                    )
                     error = (
                         exc
                         if isinstance(exc, StoreError)
