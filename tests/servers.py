@@ -197,6 +197,7 @@ class PostgresServer:
     def stop(self) -> None:
         """Stop at once (``-m immediate``: like a crash, recovery replays the WAL at start)."""
         if self.pid:
+            self.thaw()  # a frozen postmaster would never act on the stop
             self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
 
     def freeze(self) -> None:
@@ -211,8 +212,6 @@ class PostgresServer:
         _signal([pid], signal.SIGCONT)
 
     def remove(self) -> None:
-        with contextlib.suppress(Exception):
-            self.thaw()
         with contextlib.suppress(Exception):
             self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)

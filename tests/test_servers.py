@@ -57,13 +57,13 @@ def test_postgres_server_freezes_thaws_and_keeps_its_data_over_a_restart() -> No
         run(postgres_query(server.url, "CREATE TABLE t AS SELECT 7 AS v"))
         assert run(postgres_query(server.url, "SHOW synchronous_commit")) == [("on",)]
         server.freeze()
-        try:
-            # Nothing answers: a new connection times out (the port still accepts).
-            with pytest.raises(TimeoutError):
-                run(postgres_query(server.url, "SELECT 1", within=1.0))
-        finally:
-            server.thaw()
-        server.stop()  # -m immediate: a crash, recovered from the WAL at start
+        # Nothing answers: a new connection times out (the port still accepts).
+        with pytest.raises(TimeoutError):
+            run(postgres_query(server.url, "SELECT 1", within=1.0))
+        server.thaw()
+        assert run(postgres_query(server.url, "SELECT 1")) == [(1,)]
+        server.freeze()
+        server.stop()  # even frozen; -m immediate: a crash, recovered from the WAL at start
         assert server.pid == 0
         server.start()
         assert run(postgres_query(server.url, "SELECT v FROM t")) == [(7,)]
