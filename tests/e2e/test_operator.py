@@ -3,6 +3,7 @@ running ``porch demo`` and its real SQLite file."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import shutil
@@ -10,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -178,3 +180,79 @@ def test_check_healthy_corrupt_and_foreign(tmp_path: Path, demo: DemoLauncher) -
     assert missing.returncode == 2
     assert "no porch store at" in missing.stderr
     assert not (tmp_path / "nothing-here").exists()  # never created
+
+
+# -- the same commands on a PostgreSQL store ---------------------------------------------------
+
+
+@pytest.fixture
+def pg_databases(postgres_url: str) -> Iterator[tuple[str, str]]:
+    """Two databases of this test's own on the session's PostgreSQL server (one stays empty)."""
+    asyncpg = pytest.importorskip("asyncpg")
+    names = [f"op_{uuid.uuid4().hex[:10]}", f"op_{uuid.uuid4().hex[:10]}"]
+
+    async def sql(statement: str) -> None:
+        conn = await asyncpg.connect(postgres_url, timeout=10)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    for name in names:
+        asyncio.run(sql(f"CREATE DATABASE {name}"))
+    base = postgres_url.rsplit("/", 1)[0]
+    yield f"{base}/{names[0]}", f"{base}/{names[1]}"
+    for name in names:
+        asyncio.run(sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.mark.postgres
+def test_operator_commands_on_postgres(demo: DemoLauncher, pg_databases: tuple[str, str]) -> None:
+    pg_store, pg_empty = pg_databases
+    server = demo.start(limit=3, window=2, trust_proxy_hops=1, store=pg_store)
+    store = ["--store", pg_store]
+    for _ in range(4):
+        get(server, "10.6.0.1")
+    assert get(server, "10.6.0.1").status_code == 429
+    assert get(server, "10.6.0.2").status_code == 200
+    with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": "pg-1", "X-Forwarded-For": "10.6.0.2"},
+        )
+    assert created.status_code == 201
+
+    document = inspect(*store)
+    assert "password" not in document["store"]
+    counters = {c["client"]: c for c in document["counters"]}
+    assert counters["10.6.0.1"]["count"] == 3
+    assert counters["10.6.0.2"]["count"] == 2
+    assert 0 < counters["10.6.0.1"]["reset_in"] <= 2
+    [response] = document["responses"]
+    assert (response["key"], response["status"], response["scope"]) == (
+        "pg-1",
+        201,
+        "client:10.6.0.2",
+    )
+    healthy = porch_cli("check", *store)
+    assert healthy.returncode == 0, healthy.stderr
+
+    done = porch_cli("reset", *store, "--client", "10.6.0.1")
+    assert done.returncode == 0, done.stderr
+    assert "deleted 1 counter" in done.stdout
+    started = time.monotonic()
+    while get(server, "10.6.0.1").status_code != 200:
+        assert time.monotonic() - started < 10, "not served again after porch reset"
+        time.sleep(0.1)
+
+    time.sleep(2.5)  # every window has ended; nothing touches the rows meanwhile
+    purged = porch_cli("purge", *store)
+    assert purged.returncode == 0, purged.stderr
+    assert "deleted 2 expired counter(s) and 0 expired response(s)" in purged.stdout
+    assert inspect(*store)["counters"] == []
+    assert porch_cli("check", *store).returncode == 0
+
+    empty = porch_cli("check", "--store", pg_empty)
+    assert empty.returncode == 1
+    assert "no porch schema here" in empty.stderr

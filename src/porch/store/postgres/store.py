@@ -33,12 +33,15 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigurationError, StoreError
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp, StoreStatistics
 from .claims import ListenerClaims
 from .schema import migrate, quote_schema
+
+if TYPE_CHECKING:
+    from .admin import PostgresAdmin
 
 __all__ = ["PostgresStore"]
 
@@ -220,6 +223,12 @@ class PostgresStore:
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
         await self.claims.stop()
+
+    def admin(self) -> PostgresAdmin:
+        """The operator's view of this schema (``porch inspect|reset|purge|check``)."""
+        from .admin import PostgresAdmin
+
+        return PostgresAdmin(self)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)

@@ -1,0 +1,195 @@
+"""The admin protocol on PostgreSQL: one connection per command, the server's clock.
+
+Windows and expiries are server time (Unix seconds from ``clock_timestamp()``),
+as the store decides them. ``purge`` deletes what the store's own bounded
+pruning would, in the same lock order (records, then usage rows, then one total
+slot), keeping the byte accounting exact; ``check`` reads in one read-only
+repeatable-read transaction and changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...errors import StoreError
+from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+from .schema import SCHEMA_VERSION, quote_schema
+
+if TYPE_CHECKING:
+    from .store import PostgresStore
+
+__all__ = ["PostgresAdmin"]
+
+_NOW = "extract(epoch FROM clock_timestamp())"
+_TABLES = ("migrations", "counters", "records", "usage", "usage_total")
+
+
+class PostgresAdmin:
+    """:class:`~porch.store.admin.StoreAdmin` for one PostgreSQL schema."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        self.s = quote_schema(store.schema)
+        host = store.url.split("@")[-1]  # never print a password
+        self.location = f"postgresql://{host} (schema {store.schema})"
+
+    async def _conn(self) -> Any:
+        conn = await self.store._connect()
+        version = await self._version(conn)
+        if version is None:
+            await conn.close()
+            raise StoreError(f"{self.location}: no porch schema here")
+        return conn
+
+    async def _version(self, conn: Any) -> int | None:
+        exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{self.s}.migrations")
+        if not exists:
+            return None
+        found = await conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {self.s}.migrations")
+        return int(found)
+
+    async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
+        conn = await self._conn()
+        try:
+            rows = await conn.fetch(
+                f"SELECT key, count, expires - {_NOW} AS left FROM {self.s}.counters"
+                f" WHERE expires > {_NOW} AND count > 0"
+                + (" AND right(key, length($2) + 1) = chr(31) || $2" if client else "")
+                + " ORDER BY key LIMIT $1",
+                most,
+                *([client] if client else []),
+            )
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        finally:
+            await conn.close()
+        found = []
+        for row in rows:
+            parts = split_counter_key(row["key"])
+            if parts is not None:
+                found.append(
+                    CounterInfo(parts[2], parts[0], parts[1], int(row["count"]), float(row["left"]))
+                )
+        return found
+
+    async def responses(self, *, client: str | None = None, most: int = 1000) -> list[ResponseInfo]:
+        conn = await self._conn()
+        try:
+            rows = await conn.fetch(
+                f"SELECT key, scope, status, size, expires - {_NOW} AS left, expires"
+                f" FROM {self.s}.records WHERE status IS NOT NULL AND expires > {_NOW}"
+                + (" AND scope = $2" if client else "")
+                + " ORDER BY key LIMIT $1",
+                most,
+                *([f"client:{client}"] if client else []),
+            )
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        finally:
+            await conn.close()
+        return [
+            ResponseInfo(
+                row["scope"] or "",
+                row["key"].split(US, 1)[1] if US in row["key"] else row["key"],
+                int(row["status"]),
+                int(row["size"]),
+                float(row["left"]),
+                float(row["expires"]),
+            )
+            for row in rows
+        ]
+
+    async def reset(self, *, client: str, rule: str | None = None) -> int:
+        low, high = (f"rl{US}{rule}{US}", f"rl{US}{rule}\x20") if rule else ("rl" + US, "rl\x20")
+        conn = await self._conn()
+        try:
+            status = await conn.execute(
+                f"DELETE FROM {self.s}.counters WHERE key >= $1 AND key < $2"
+                " AND right(key, length($3) + 1) = chr(31) || $3",
+                low,
+                high,
+                client,
+            )
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        finally:
+            await conn.close()
+        return int(status.split()[-1])
+
+    async def purge(self) -> PurgeReport:
+        s = self.s
+        conn = await self._conn()
+        try:
+            async with conn.transaction():
+                counters = await conn.execute(f"DELETE FROM {s}.counters WHERE expires <= {_NOW}")
+                responses = await conn.fetchval(
+                    f"""
+                    WITH d AS (
+                        DELETE FROM {s}.records r
+                        WHERE r.status IS NOT NULL AND r.expires <= {_NOW}
+                          AND (r.lease_until IS NULL OR r.lease_until <= {_NOW})
+                        RETURNING r.scope, r.size
+                    ), u AS (
+                        UPDATE {s}.usage g SET bytes = g.bytes - d2.b
+                        FROM (SELECT d.scope, sum(d.size) b FROM d GROUP BY d.scope) d2
+                        WHERE g.scope = d2.scope RETURNING d2.b
+                    ), z AS (
+                        UPDATE {s}.usage_total
+                        SET bytes = bytes - (SELECT coalesce(sum(u.b), 0) FROM u)
+                        WHERE slot = 0 RETURNING 1
+                    )
+                    SELECT (SELECT count(*) FROM d) + 0 * (SELECT count(*) FROM z)
+                    """
+                )
+                # Claims whose holder died long ago and nobody took over.
+                await conn.execute(
+                    f"DELETE FROM {s}.records WHERE status IS NULL AND lease_until <= {_NOW} - 60"
+                )
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        finally:
+            await conn.close()
+        return PurgeReport(int(counters.split()[-1]), int(responses))
+
+    async def check(self) -> CheckReport:
+        try:
+            conn = await self.store._connect()
+        except StoreError as exc:
+            return CheckReport(self.location, 0, SCHEMA_VERSION, (str(exc),))
+        problems: list[str] = []
+        version = 0
+        try:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                found = await self._version(conn)
+                if found is None:
+                    return CheckReport(self.location, 0, SCHEMA_VERSION, ("no porch schema here",))
+                version = found
+                if version != SCHEMA_VERSION:
+                    problems.append(f"schema version {version}, expected {SCHEMA_VERSION}")
+                for table in _TABLES:
+                    if not await conn.fetchval(
+                        "SELECT to_regclass($1) IS NOT NULL", f"{self.s}.{table}"
+                    ):
+                        problems.append(f"missing table {table}")
+                if not problems:
+                    stored = await conn.fetchval(
+                        f"SELECT coalesce(sum(size), 0) FROM {self.s}.records"
+                        " WHERE status IS NOT NULL"
+                    )
+                    total = await conn.fetchval(
+                        f"SELECT coalesce(sum(bytes), 0) FROM {self.s}.usage_total"
+                    )
+                    if int(stored) != int(total):
+                        problems.append(f"stored-bytes total {total} != {stored} in records")
+                    if await conn.fetchval(
+                        f"SELECT count(*) FROM {self.s}.counters WHERE count < 0"
+                    ):
+                        problems.append("counters with a negative count")
+        except Exception as exc:
+            problems.append(str(exc))
+        finally:
+            await conn.close()
+        return CheckReport(self.location, version, SCHEMA_VERSION, tuple(problems))
+
+    async def close(self) -> None:
+        return None
