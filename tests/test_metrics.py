@@ -139,3 +139,28 @@ async def test_two_metrics_objects_share_nothing(tmp_path: Path) -> None:
 async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_responses_over_quota_are_counted_as_unstored(tmp_path: Path) -> None:
+    from porch import Quota
+
+    metrics = PorchMetrics()
+    pool = KeyPool(SQLiteStore(tmp_path), size=1, metrics=metrics)
+
+    async def big(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"x" * 1000})
+
+    app = IdempotencyMiddleware(big, pool=pool, quota=Quota(scope_bytes=1500))
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for key in ("a", "b", "c"):
+                r = await c.post("/o", content=b"{}", headers={"idempotency-key": key})
+                assert r.status_code == 201
+        found = await scrape(metrics)
+    finally:
+        await pool.close()
+    assert found[("porch_idempotency_unstored_total", (("reason", "quota"),))] == 2
+    assert found[("porch_idempotency_unstored_total", (("reason", "fenced"),))] == 0

@@ -166,6 +166,7 @@ class IdempotencyMiddleware:
         metrics = pool.metrics
         self._outcomes = metrics.idempotency if metrics is not None else None
         self._causes = metrics.causes if metrics is not None else None
+        self._unstored = metrics.unstored if metrics is not None else None
 
     def _event(
         self, scope: Scope, outcome: str, status: int, level: int, message: str, *args: object
@@ -409,7 +410,12 @@ class IdempotencyMiddleware:
             done.add_done_callback(_retrieve)
         return done
 
+    def _count_unstored(self, reason: str) -> None:
+        if self._unstored is not None:
+            self._unstored[reason].inc()
+
     def _over_quota(self, caller: str) -> None:
+        self._count_unstored("quota")
         # A client over its quota must not choose the log volume: once a minute per scope.
         self._log.event(
             logging.WARNING,
@@ -587,6 +593,7 @@ class _Capture:
         if outcome == "quota":
             self.middleware._over_quota(self.caller)
         elif outcome == "fenced":
+            self.middleware._count_unstored("fenced")
             # Another owner claimed the key meanwhile (this claim had ended): its
             # response is the stored one; this one is delivered but never replayed.
             logger.error(

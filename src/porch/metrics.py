@@ -29,10 +29,11 @@ if TYPE_CHECKING:
     from ._types import ASGIApp, Receive, Scope, Send
     from .pool import KeyPool
 
-__all__ = ["IDEMPOTENCY_OUTCOMES", "UNAVAILABLE_CAUSES", "PorchMetrics"]
+__all__ = ["IDEMPOTENCY_OUTCOMES", "UNAVAILABLE_CAUSES", "UNSTORED_REASONS", "PorchMetrics"]
 
 IDEMPOTENCY_OUTCOMES = ("executed", "replayed", "mismatch", "conflict", "invalid", "too_large")
 UNAVAILABLE_CAUSES = ("saturated", "store")
+UNSTORED_REASONS = ("quota", "fenced")
 
 _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -85,6 +86,13 @@ class PorchMetrics:
             ["outcome"],
             registry=target,
         )
+        self.responses_unstored = prom.Counter(
+            "porch_idempotency_unstored",
+            "Owners' responses sent but not stored, by reason (quota: the caller's or the"
+            " store's quota was full; fenced: the owner had lost its claim).",
+            ["reason"],
+            registry=target,
+        )
         self.unavailable = prom.Counter(
             "porch_unavailable",
             "Requests answered 503, by cause (saturated, store).",
@@ -106,6 +114,7 @@ class PorchMetrics:
         # Children bound once: the hot path increments, it never looks labels up.
         self.idempotency = {o: self.idempotency_requests.labels(o) for o in IDEMPOTENCY_OUTCOMES}
         self.causes = {c: self.unavailable.labels(c) for c in UNAVAILABLE_CAUSES}
+        self.unstored = {r: self.responses_unstored.labels(r) for r in UNSTORED_REASONS}
         self._pools: list[KeyPool] = []
         self._depth: Any = None
         self._parked: Any = None
