@@ -50,17 +50,20 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX records_scope ON {s}.records (scope, expires) WHERE status IS NOT NULL;
     CREATE INDEX records_leases ON {s}.records (lease_until) WHERE status IS NULL;
     CREATE SEQUENCE {s}.tokens AS bigint;
-    CREATE TABLE {s}.usage (
-        scope text COLLATE "C" PRIMARY KEY,
-        bytes bigint NOT NULL
-    );
-    -- The store-wide total is spread over slots (total = their sum) so that
-    -- concurrent saves do not all queue behind one row lock.
+    -- Stored bytes, per scope and in total, spread over 64 slots (a figure is
+    -- the sum of its slots). A writing batch takes one slot (SKIP LOCKED) and
+    -- writes only that slot's rows, so concurrent saves never queue on a row.
     CREATE TABLE {s}.usage_total (
         slot  integer PRIMARY KEY,
         bytes bigint NOT NULL
     );
-    INSERT INTO {s}.usage_total (slot, bytes) SELECT g, 0 FROM generate_series(0, 15) g;
+    INSERT INTO {s}.usage_total (slot, bytes) SELECT g, 0 FROM generate_series(0, 63) g;
+    CREATE TABLE {s}.usage (
+        scope text COLLATE "C",
+        slot  integer,
+        bytes bigint NOT NULL,
+        PRIMARY KEY (scope, slot)
+    );
     """,
 )
 
@@ -75,6 +78,30 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 # window, and per hit its op number and its first limit. One output row per
 # op; op 0 carries the server time.
 APPLY_FUNCTION = r"""
+-- PL/pgSQL, not SQL: its statements' plans are cached for the session.
+-- Delete up to n expired stored responses (of one scope, or any), skipping rows
+-- another batch holds, and take their bytes off through the caller's slot.
+CREATE OR REPLACE FUNCTION {s}.prune_records(t float8, sl int, keep text, sc text, n int)
+RETURNS void LANGUAGE plpgsql SET search_path = {s}, pg_catalog AS $fn$
+BEGIN
+    WITH d AS (
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x
+            WHERE x.status IS NOT NULL AND x.expires <= t
+              AND (x.lease_until IS NULL OR x.lease_until <= t)
+              AND (sc IS NULL OR x.scope = sc) AND x.key IS DISTINCT FROM keep
+            ORDER BY x.expires LIMIT n FOR UPDATE SKIP LOCKED)
+        RETURNING r.scope, r.size
+    ), g AS (
+        INSERT INTO usage AS u (scope, slot, bytes)
+            SELECT d.scope, sl, -sum(d.size) FROM d GROUP BY d.scope
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    )
+    UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+        WHERE slot = sl;
+END
+$fn$;
+
 CREATE OR REPLACE FUNCTION {s}.apply_v1(
     kinds int[], keys text[],
     ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
@@ -88,7 +115,6 @@ CREATE OR REPLACE FUNCTION {s}.apply_v1(
 DECLARE
     n int := coalesce(array_length(kinds, 1), 0);
     rkeys text[];
-    uscopes text[];
     t float8;
     i int;
     k text;
@@ -106,9 +132,60 @@ DECLARE
     a int;
     b int;
     x int;
+    done boolean[] := array_fill(false, ARRAY[n]);
+    ckeys text[];
+    cidx int[];
+    skeys text[];
+    wkeys text[];
+    -- Stored bytes this batch adds (per scope, and in total), written once at the end.
+    dscopes text[] := '{}';
+    dbytes bigint[] := '{}';
+    dbase bigint[] := '{}';
+    tbase bigint;
+    tdelta bigint := 0;
+    xo int;
+    nkeys text[] := '{}';
 BEGIN
-    -- Lock phase, always in one global order (counters, records, usage rows,
-    -- one total slot), each by key: concurrent batches never deadlock.
+    -- Every table is reached through its key index (= ANY, or LATERAL per key):
+    -- a join against an array would let the planner scan a whole table.
+    SELECT array_agg(keys[j]) FILTER (WHERE kinds[j] = 3),
+           array_agg(j) FILTER (WHERE kinds[j] = 3),
+           array_agg(keys[j]) FILTER (WHERE kinds[j] = 4),
+           coalesce(array_agg(keys[j]) FILTER (WHERE kinds[j] IN (4, 5, 6)), '{}')
+        INTO ckeys, cidx, skeys, wkeys
+        FROM generate_subscripts(kinds, 1) j;
+    -- Replays first: a claim whose key holds a live stored response and no live
+    -- claim is answered without a lock (a stored response changes only once it
+    -- expired), so a batch of replays writes nothing and its commit does not
+    -- wait for a WAL flush. Keys this batch also saves or releases are left to
+    -- the ordered pass below.
+    t := extract(epoch FROM clock_timestamp());
+    FOR rec IN
+        SELECT u.j, r.digest, r.status, r.headers, r.body
+        FROM unnest(ckeys, cidx) u(k, j)
+        CROSS JOIN LATERAL (SELECT x.* FROM records x WHERE x.key = u.k) r
+        WHERE r.status IS NOT NULL AND r.expires > t
+          AND (r.lease_until IS NULL OR r.lease_until <= t)
+          AND NOT (u.k = ANY (wkeys))
+    LOOP
+        done[rec.j] := true;
+        op := rec.j; code := 1; num := NULL; tok := NULL;
+        r_digest := rec.digest; r_status := rec.status;
+        r_headers := rec.headers; r_body := rec.body;
+        RETURN NEXT;
+    END LOOP;
+
+    -- Lock phase, always in one global order (a usage slot, counters, records),
+    -- rows by key: concurrent batches never deadlock. The slot comes first and
+    -- is taken only by batches that may change stored bytes (not by replays).
+    IF skeys IS NOT NULL OR EXISTS (SELECT 1 FROM unnest(cidx) u(j) WHERE NOT done[u.j]) THEN
+        SELECT z.slot INTO myslot FROM usage_total z
+            ORDER BY (z.slot + pg_backend_pid()) % 64 LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF myslot IS NULL THEN  -- all 64 busy: queue for one, holding nothing else yet
+            SELECT z.slot INTO myslot FROM usage_total z
+                WHERE z.slot = pg_backend_pid() % 64 FOR UPDATE;
+        END IF;
+    END IF;
     IF nh > 0 THEN
         INSERT INTO counters AS c (key, count, window_start, expires)
             SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
@@ -120,7 +197,7 @@ BEGIN
             ON CONFLICT (key) DO NOTHING;
     END IF;
     SELECT array_agg(DISTINCT keys[j]) INTO rkeys
-        FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3;
+        FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
     IF rkeys IS NOT NULL THEN
         -- An absent key gets an empty row first, so that two hosts claiming a new
         -- key at once queue on one row lock instead of both finding nothing.
@@ -133,29 +210,6 @@ BEGIN
             ON CONFLICT (key) DO NOTHING;
     END IF;
     t := extract(epoch FROM clock_timestamp());
-    -- Usage rows of the scopes whose bytes this batch may change: saves, and
-    -- claims over an expired response. A replay never locks its scope's row.
-    SELECT array_agg(DISTINCT x.scope) INTO uscopes FROM (
-        SELECT scopes[j] AS scope FROM generate_subscripts(kinds, 1) j WHERE kinds[j] = 4
-        UNION ALL SELECT r.scope FROM records r
-            WHERE r.key IN (SELECT keys[j] FROM generate_subscripts(kinds, 1) j WHERE kinds[j] = 4)
-              AND r.status IS NOT NULL
-        UNION ALL SELECT r.scope FROM records r
-            WHERE r.key IN (SELECT keys[j] FROM generate_subscripts(kinds, 1) j WHERE kinds[j] = 3)
-              AND r.status IS NOT NULL AND r.expires <= t
-    ) x WHERE x.scope IS NOT NULL;
-    IF uscopes IS NOT NULL THEN
-        INSERT INTO usage AS g (scope, bytes) SELECT u.s, 0 FROM unnest(uscopes) u(s)
-            ORDER BY u.s COLLATE "C"
-            ON CONFLICT (scope) DO NOTHING;
-        PERFORM 1 FROM usage g WHERE g.scope = ANY (uscopes) ORDER BY g.scope FOR UPDATE;
-        SELECT z.slot INTO myslot FROM usage_total z
-            ORDER BY (z.slot + pg_backend_pid()) % 16 LIMIT 1 FOR UPDATE SKIP LOCKED;
-        IF myslot IS NULL THEN
-            SELECT z.slot INTO myslot FROM usage_total z
-                WHERE z.slot = pg_backend_pid() % 16 FOR UPDATE;
-        END IF;
-    END IF;
 
     op := 0; code := 0; num := t;
     RETURN NEXT;
@@ -167,7 +221,8 @@ BEGIN
         SELECT array_agg(c.count ORDER BY u.n), array_agg(c.window_start ORDER BY u.n),
                array_agg(c.expires ORDER BY u.n)
             INTO cc, cs, ce
-            FROM unnest(ukeys) WITH ORDINALITY u(k, n) JOIN counters c ON c.key = u.k;
+            FROM unnest(ukeys) WITH ORDINALITY u(k, n)
+            CROSS JOIN LATERAL (SELECT x.* FROM counters x WHERE x.key = u.k) c;
         FOR h IN 1 .. nh LOOP
             a := hstart[h];
             b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
@@ -195,11 +250,13 @@ BEGIN
             RETURN NEXT;
         END LOOP;
         UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
-            FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e) WHERE c.key = u.k;
+            FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
+            WHERE c.key = u.k AND c.key = ANY (ukeys);
         counts := NULL; resets := NULL;
     END IF;
 
     FOR i IN 1 .. n LOOP
+        CONTINUE WHEN done[i];  -- a replay, answered first
         op := i; code := 0; tok := NULL; num := NULL;
         r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
         k := keys[i];
@@ -221,8 +278,12 @@ BEGIN
             ELSE
                 -- An expired response: pruned when touched.
                 IF FOUND AND rec.status IS NOT NULL THEN
-                    UPDATE usage SET bytes = bytes - rec.size WHERE scope = rec.scope;
-                    UPDATE usage_total SET bytes = bytes - rec.size WHERE slot = myslot;
+                    xo := array_position(dscopes, rec.scope);
+                    IF xo IS NULL THEN
+                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
+                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
+                    END IF;
+                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
                 END IF;
                 tok := nextval('tokens');
                 INSERT INTO records AS r (key, token, lease_until) VALUES (k, tok, t + lease)
@@ -239,32 +300,35 @@ BEGIN
             ELSE
                 sz := octet_length(bodies[i]) + octet_length(headers[i]) + octet_length(digests[i]);
                 IF FOUND AND rec.status IS NOT NULL THEN
-                    UPDATE usage SET bytes = bytes - rec.size WHERE scope = rec.scope;
-                    UPDATE usage_total SET bytes = bytes - rec.size WHERE slot = myslot;
+                    xo := array_position(dscopes, rec.scope);
+                    IF xo IS NULL THEN
+                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
+                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
+                    END IF;
+                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
+                END IF;
+                x := array_position(dscopes, scopes[i]);
+                IF x IS NULL THEN
+                    dscopes := dscopes || scopes[i]; dbytes := dbytes || 0::bigint;
+                    dbase := dbase || NULL::bigint; x := array_length(dscopes, 1);
                 END IF;
                 FOR attempt IN 1 .. 2 LOOP
-                    SELECT g.bytes INTO used FROM usage g WHERE g.scope = scopes[i];
-                    ok := coalesce(used, 0) + sz <= scope_caps[i]
-                        AND (SELECT sum(z.bytes) FROM usage_total z) + sz <= total_caps[i];
+                    IF dbase[x] IS NULL THEN
+                        SELECT coalesce(sum(g.bytes), 0) INTO used
+                            FROM usage g WHERE g.scope = scopes[i];
+                        dbase[x] := used;
+                    END IF;
+                    IF tbase IS NULL THEN
+                        SELECT sum(z.bytes) INTO tbase FROM usage_total z;
+                    END IF;
+                    used := dbase[x] + dbytes[x];
+                    ok := used + sz <= scope_caps[i] AND tbase + tdelta + sz <= total_caps[i];
                     EXIT WHEN ok OR attempt = 2;
                     -- Expired rows still counted: prune them (never waiting), then look again.
-                    WITH d AS (
-                        DELETE FROM records r WHERE r.key IN (
-                            SELECT x.key FROM records x
-                            WHERE x.status IS NOT NULL AND x.expires <= t AND x.key <> k
-                              AND (x.lease_until IS NULL OR x.lease_until <= t)
-                              AND (x.scope = scopes[i] OR coalesce(used, 0) + sz <= scope_caps[i])
-                            ORDER BY x.expires LIMIT 4096 FOR UPDATE SKIP LOCKED)
-                        AND (r.scope = scopes[i] OR r.scope IN (SELECT u.scope FROM usage u
-                            WHERE u.scope = r.scope FOR UPDATE SKIP LOCKED))
-                        RETURNING r.scope, r.size
-                    ), s AS (
-                        UPDATE usage u SET bytes = u.bytes - d2.b
-                        FROM (SELECT d.scope, sum(d.size) b FROM d GROUP BY d.scope) d2
-                        WHERE u.scope = d2.scope RETURNING d2.b
-                    )
-                    UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(s.b), 0) FROM s)
-                        WHERE slot = myslot;
+                    PERFORM prune_records(t, myslot, k,
+                        CASE WHEN used + sz > scope_caps[i] THEN scopes[i] END, 4096);
+                    dbase := array_fill(NULL::bigint, ARRAY[array_length(dscopes, 1)]);
+                    tbase := NULL;  -- the prune took its bytes off in the table
                 END LOOP;
                 IF NOT ok THEN
                     code := 3;
@@ -276,10 +340,9 @@ BEGIN
                                 body = NULL, scope = NULL, size = 0, expires = NULL,
                                 lease_until = NULL WHERE r.key = k;
                         END IF;
-                    ELSIF FOUND AND rec.status IS NOT NULL THEN
+                    ELSIF rec.status IS NOT NULL THEN
                         -- usage of the old response was taken off above: put it back
-                        UPDATE usage SET bytes = bytes + rec.size WHERE scope = rec.scope;
-                        UPDATE usage_total SET bytes = bytes + rec.size WHERE slot = myslot;
+                        dbytes[xo] := dbytes[xo] + rec.size; tdelta := tdelta + rec.size;
                     END IF;
                 ELSE
                     code := 1;
@@ -292,11 +355,10 @@ BEGIN
                             body = excluded.body, scope = excluded.scope, size = excluded.size,
                             expires = excluded.expires,
                             lease_until = CASE WHEN tokens[i] = 0 THEN r.lease_until END;
-                    UPDATE usage SET bytes = bytes + sz WHERE scope = scopes[i];
-                    UPDATE usage_total SET bytes = bytes + sz WHERE slot = myslot;
+                    dbytes[x] := dbytes[x] + sz; tdelta := tdelta + sz;
                     saved := true;
                 END IF;
-                PERFORM pg_notify(channel, md5(convert_to(k, 'UTF8')));
+                nkeys := nkeys || k;
             END IF;
         WHEN 5 THEN  -- release: released (1) or not current (0)
             SELECT * INTO rec FROM records r WHERE r.key = k;
@@ -307,7 +369,7 @@ BEGIN
                     UPDATE records r SET lease_until = NULL WHERE r.key = k;
                 END IF;
                 code := 1;
-                PERFORM pg_notify(channel, md5(convert_to(k, 'UTF8')));
+                nkeys := nkeys || k;
             END IF;
         WHEN 6 THEN  -- renew a claim this process holds: renewed (1) or lost (0)
             UPDATE records r SET lease_until = t + lease
@@ -317,6 +379,17 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
+    IF array_length(dscopes, 1) > 0 THEN
+        INSERT INTO usage AS g (scope, slot, bytes)
+            SELECT u.s, myslot, u.b FROM unnest(dscopes, dbytes) u(s, b) WHERE u.b <> 0
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
+    END IF;
+    IF tdelta <> 0 THEN
+        UPDATE usage_total SET bytes = bytes + tdelta WHERE slot = myslot;
+    END IF;
+    IF array_length(nkeys, 1) > 0 THEN  -- sent at commit: waiters elsewhere wake then
+        PERFORM pg_notify(channel, md5(convert_to(u.k, 'UTF8'))) FROM unnest(nkeys) u(k);
+    END IF;
     IF rkeys IS NOT NULL THEN  -- the empty rows nobody claimed or filled
         DELETE FROM records r
             WHERE r.key = ANY (rkeys) AND r.status IS NULL AND r.lease_until IS NULL;
@@ -329,22 +402,7 @@ BEGIN
             ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
     END IF;
     IF saved THEN
-        WITH d AS (
-            DELETE FROM records r WHERE r.key IN (
-                SELECT x.key FROM records x
-                WHERE x.status IS NOT NULL AND x.expires <= t
-                  AND (x.lease_until IS NULL OR x.lease_until <= t)
-                ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED)
-            AND r.scope IN (SELECT u.scope FROM usage u WHERE u.scope = r.scope
-                FOR UPDATE SKIP LOCKED)
-            RETURNING r.scope, r.size
-        ), s AS (
-            UPDATE usage u SET bytes = u.bytes - d2.b
-            FROM (SELECT d.scope, sum(d.size) b FROM d GROUP BY d.scope) d2
-            WHERE u.scope = d2.scope RETURNING d2.b
-        )
-        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(s.b), 0) FROM s)
-            WHERE slot = myslot;
+        PERFORM prune_records(t, myslot, NULL, NULL, prune);
         -- Claims whose holder died and nobody took over.
         DELETE FROM records r WHERE r.key IN (
             SELECT x.key FROM records x WHERE x.status IS NULL AND x.lease_until <= t - 60

@@ -395,12 +395,11 @@ class PostgresStore:
         ]  # fmt: skip
 
     def _results(self, ops: list[_Op], rows: list[Any]) -> None:
-        wall = 0.0
+        wall = next((row[3] for row in rows if row[0] == 0), 0.0)
         held = self._held
         for row in rows:
             i = row[0]
             if i == 0:
-                wall = row[3]
                 continue
             op = ops[i - 1]
             code = row[1]
