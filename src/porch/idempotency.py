@@ -110,7 +110,8 @@ class IdempotencyMiddleware:
     the owner had failed (the next duplicate runs the handler). ``quota`` caps
     the bytes of live stored responses per caller scope and in the whole store:
     a response that would go past it is sent, not stored (a warning, at most
-    one per scope a minute), and its key released.
+    one per scope a minute), and its key released. ``enabled=False`` passes
+    every request through untouched and never opens the store (an off switch for tests).
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class IdempotencyMiddleware:
         max_stored: int = 1 << 20,
         retry_after: int = 1,
         quota: Quota = DEFAULT_QUOTA,
+        enabled: bool = True,
     ) -> None:
         rules = (rules,) if isinstance(rules, IdempotencyRule) else tuple(rules)
         if not rules:
@@ -153,6 +155,7 @@ class IdempotencyMiddleware:
             )
         self.app = app
         self.pool = pool
+        self.enabled = enabled
         self._rules = rules
         self._scope: ScopeFunc = scope if scope is not None else CallerScope()
         self.ttl = float(ttl)
@@ -201,6 +204,9 @@ class IdempotencyMiddleware:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.enabled:
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await pass_through(self.app, self.pool, scope, receive, send)
             return

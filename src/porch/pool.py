@@ -4,11 +4,20 @@ A key always reaches shard ``crc32(key) % N``, so everything about one key is
 serialized through one actor without locks. A shard drains its whole mailbox,
 applies the batch in one store transaction (group commit) and replies to every
 caller only after that transaction is committed.
+
+The pool follows the event loop it is used on. Its actors are tasks of one
+loop; when it is used from another loop while that one has stopped (each
+request of Starlette's ``TestClient`` without ``with`` runs on a loop of its
+own, so does each test of pytest-asyncio or anyio), ``start()`` abandons the
+old actors, closes the store and opens it again, and starts fresh actors on
+the current loop. Nothing live is abandoned: a pool whose loop is still
+running elsewhere refuses the other loop (PoolClosedError) instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import zlib
 from dataclasses import dataclass
@@ -28,6 +37,8 @@ logger = logging.getLogger("porch.pool")
 
 # After a store failed to open, calls fail fast for this long before it is retried.
 _REOPEN_AFTER = 1.0
+# Closing the store of a stopped loop is bounded: a restart must never hang a request.
+_CLOSE_TIMEOUT = 5.0
 
 
 class Parked(Protocol):
@@ -83,6 +94,18 @@ class Shard:
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"porch-shard-{self.index}"
         )
+
+    def abandon(self, exc: BaseException) -> None:
+        """Close this actor without awaiting its task: its event loop has stopped."""
+        for call in self.mailbox.close():
+            # A future of a closed loop cannot be settled; nobody awaits it any more.
+            with contextlib.suppress(RuntimeError):
+                call.fail(self, exc)
+        self._task = None
+        for state in list(self.parked.values()):
+            with contextlib.suppress(RuntimeError):
+                state.close(exc)
+        self.parked.clear()
 
     def waiters(self) -> int:
         """Calls parked behind a running owner in this shard (read for metrics only)."""
@@ -156,11 +179,12 @@ class PoolStatistics:
 
 
 class KeyPool:
-    """N shard actors over one store. Start it on the event loop that will use it."""
+    """N shard actors over one store, on the event loop that uses it (see the module doc)."""
 
     __slots__ = (
         "_failed",
         "_lock",
+        "_loop",
         "_shards",
         "_size",
         "_started",
@@ -191,7 +215,9 @@ class KeyPool:
         self._size = size
         self._shards = tuple(Shard(i, mailbox, store, metrics) for i in range(size))
         self._started = False
-        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the actors run on
+        # One start-up lock per loop: an asyncio.Lock binds to the loop it first waits on.
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._failed: tuple[float, StoreError] | None = None
 
     @property
@@ -200,22 +226,35 @@ class KeyPool:
 
     @property
     def started(self) -> bool:
-        return self._started
+        """Whether the actors run — on the running event loop, when asked from one."""
+        if not self._started:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # asked from outside any loop
+            return True
 
     def shard_index(self, key: str) -> int:
         """The shard that owns ``key``: a stable hash, the same in every process and run."""
         return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size
 
     async def start(self) -> None:
-        """Open the store and start the shard actors; a second call does nothing."""
-        if self._started:
+        """Open the store and start the actors on the running loop; a second call does nothing.
+
+        Called from another loop than the actors' (which has stopped), it moves
+        the pool to this loop; if that loop is still running, it raises
+        PoolClosedError: one pool serves one running loop at a time.
+        """
+        loop = asyncio.get_running_loop()
+        if self._started and self._loop is loop:
             return
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self._started:
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        async with self._lock[1]:
+            if self._started and self._loop is loop:
                 return
-            loop = asyncio.get_running_loop()
+            if self._started:
+                await self._leave_stopped_loop()
             if self._failed is not None and loop.time() - self._failed[0] < _REOPEN_AFTER:
                 # A broken store is retried at most once a second, not once per request.
                 raise self._failed[1]
@@ -233,15 +272,41 @@ class KeyPool:
                 )
             for shard in self._shards:
                 shard.start()
+            self._loop = loop
             self._started = True
+
+    async def _leave_stopped_loop(self) -> None:
+        """The actors' loop is not the running one: abandon them, if that loop has stopped."""
+        old = self._loop
+        if old is not None and old.is_running():
+            raise PoolClosedError(
+                "the key pool runs on another event loop that is still running;"
+                " one pool serves one running loop at a time (make a pool per loop)"
+            )
+        logger.debug("porch: the key pool's event loop stopped; restarting on this one")
+        self._started = False
+        closed = PoolClosedError("the key pool's event loop stopped before this call was answered")
+        for shard in self._shards:
+            shard.abandon(closed)
+        # The store too: its claims belonged to callers of the stopped loop, and its
+        # loop-bound parts (futures, wake-ups, connections) go with them.
+        try:
+            await asyncio.wait_for(self.store.close(), _CLOSE_TIMEOUT)
+        except Exception as exc:  # the store is opened again next, which may still work
+            logger.warning("porch: closing the store of a stopped event loop failed: %r", exc)
 
     async def close(self) -> None:
         """Refuse new calls, fail queued and parked callers (PoolClosedError), close the store."""
         if not self._started:
             return
         self._started = False
-        for shard in self._shards:
-            await shard.close()
+        if self._loop is asyncio.get_running_loop():
+            for shard in self._shards:
+                await shard.close()
+        else:  # the actors' loop has stopped (or runs elsewhere): their tasks cannot be awaited
+            closed = PoolClosedError("the key pool closed before this call was answered")
+            for shard in self._shards:
+                shard.abandon(closed)
         await self.store.close()
 
     def submit(self, key: str, call: Call, *, must_deliver: bool = False) -> None:
@@ -253,6 +318,9 @@ class KeyPool:
         """
         if not self._started:
             raise PoolClosedError("the key pool is not running")
+        if self._loop is not asyncio.get_running_loop():
+            # The actors would never see it: never a hang, a clear error (start() moves the pool).
+            raise PoolClosedError("the key pool runs on another event loop; await start() first")
         shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
         shard.mailbox.send_nowait(call, force=must_deliver)
 

@@ -83,7 +83,8 @@ class RateLimitMiddleware:
     client (default: the connection's peer host; see :class:`ClientIdentity`).
     ``dry_run`` counts and reports but never refuses. A store failure answers 503
     unless ``fail_open`` lets the request through uncounted; saturation always
-    answers 503.
+    answers 503. ``enabled=False`` passes every request through untouched and
+    never opens the store (an off switch for tests).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class RateLimitMiddleware:
         refusal_memory: float = 1.0,
         refusal_memory_entries: int = 10_000,
         clock: Clock | None = None,
+        enabled: bool = True,
     ) -> None:
         rules = (rules,) if isinstance(rules, Rule) else tuple(rules)
         if not rules:
@@ -126,6 +128,7 @@ class RateLimitMiddleware:
             pool.namespaces.claim(r.name, r.signature(), f"RateLimitMiddleware rule {r.path!r}")
         self.app = app
         self.pool = pool
+        self.enabled = enabled
         self._rules = tuple(_CompiledRule(r) for r in rules)
         self._websocket = any(r.websocket for r in rules)
         self._key: KeyFunc = key if key is not None else ClientIdentity()
@@ -174,6 +177,9 @@ class RateLimitMiddleware:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.enabled:
+            await self.app(scope, receive, send)
+            return
         kind = scope["type"]
         if kind != "http" and not (kind == "websocket" and self._websocket):
             await pass_through(self.app, self.pool, scope, receive, send)

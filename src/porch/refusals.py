@@ -65,8 +65,9 @@ class RefusalMemory:
         if entry.refreshing is None:
             entry.refreshing = asyncio.get_running_loop().create_future()
             return None
-        if entry.refreshing.done():
-            # Its refresher settled without replacing it (a store error): ask again.
+        if entry.refreshing.done() or entry.refreshing.get_loop() is not asyncio.get_running_loop():
+            # Its refresher settled without replacing it (a store error), or ran on an
+            # event loop that has gone (the pool follows its loop): ask again.
             entry.refreshing = asyncio.get_running_loop().create_future()
             return None
         return entry.refreshing

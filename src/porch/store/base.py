@@ -206,7 +206,12 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None:
-        """Finish queued work, end this process's claims, and release the backend."""
+        """Finish queued work, end this process's claims, and release the backend.
+
+        It may run on another event loop than :meth:`open` did, after that loop
+        stopped (the pool follows its loop, then opens the store again): it must
+        not wait on the old loop, and it ends in bounded time.
+        """
         ...
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:

@@ -11,15 +11,19 @@ the lock, never a read-modify-write from a request task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
+import shutil
 import sqlite3
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
@@ -97,6 +101,22 @@ class SQLiteStore:
         self._operations = 0
         self._failures = 0
 
+    @classmethod
+    def temporary(cls, **options: Any) -> SQLiteStore:
+        """A throwaway store for tests, in a new temporary directory; ``options`` as above.
+
+        The same store as any other (WAL, group commit, OFD claims), so tests see
+        production semantics; it starts empty, and its directory is removed once
+        the store object is garbage-collected or the process exits — not on
+        close(), so counters survive the pool moving to another event loop.
+        """
+        if "directory" in options:
+            raise ConfigurationError("a temporary store makes its own directory: pass none")
+        directory = tempfile.mkdtemp(prefix="porch-")
+        store = cls(directory, **options)
+        weakref.finalize(store, shutil.rmtree, directory, True)
+        return store
+
     # -- lifecycle -----------------------------------------------------------------
 
     async def open(self) -> None:
@@ -141,7 +161,8 @@ class SQLiteStore:
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         if self._thread is None or self._loop is None:
             raise StoreError("the SQLite store is not open")
-        future: asyncio.Future[None] = self._loop.create_future()
+        # The caller's loop settles it (the pool may have moved to another loop).
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.put((ops, future))
         await future
 
@@ -198,9 +219,9 @@ class SQLiteStore:
             conn = self._connect()
         except Exception as exc:
             failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
-            loop.call_soon_threadsafe(_settle, ready, failed)
+            _call_soon(loop, _settle, ready, failed)
             return
-        loop.call_soon_threadsafe(_settle, ready, None)
+        _call_soon(loop, _settle, ready, None)
         get = self._queue.get
         get_nowait = self._queue.get_nowait
         stopping = False
@@ -242,7 +263,12 @@ class SQLiteStore:
                         if isinstance(exc, StoreError)
                         else StoreError(f"SQLite store {self.path}: {exc}")
                     )
-                loop.call_soon_threadsafe(_settle_all, [f for _, f in jobs], error)
+                first = jobs[0][1].get_loop()
+                if all(f.get_loop() is first for _, f in jobs):
+                    _call_soon(first, _settle_all, [f for _, f in jobs], error)
+                else:
+                    for _, f in jobs:
+                        _call_soon(f.get_loop(), _settle, f, error)
         finally:
             conn.close()
 
@@ -280,6 +306,12 @@ def _end_claims(claims: SQLiteClaims, ops: list[StoreOp]) -> None:
     for op in ops:
         if (type(op) is Save or type(op) is Release) and claims.current(op.key, op.token):
             claims.end(op.key)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
+    # A stopped and closed loop has nobody left to answer; the writer must live on.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
