@@ -24,9 +24,14 @@ if ! command -v redis-server >/dev/null 2>&1 && [ -n "$CAN_APT" ]; then
     echo "installing redis-server (apt) for the Redis store's tests" >&2
     apt_install redis-server || echo "could not install redis-server; its tests will not run" >&2
 fi
+# The deployment recipes are run behind a real nginx (tests/e2e/test_deployment.py).
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && [ -n "$CAN_APT" ]; then
+    echo "installing nginx (apt) for the deployment recipes' tests" >&2
+    apt_install nginx-light || apt_install nginx || echo "could not install nginx; those tests will skip" >&2
+fi
 echo "== ruff" >&2
-ruff check src tests benchmarks
-ruff format --check src tests benchmarks
+ruff check src tests benchmarks examples
+ruff format --check src tests benchmarks examples
 echo "== mypy --strict" >&2
 mypy
 echo "== pytest" >&2

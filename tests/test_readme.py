@@ -13,7 +13,7 @@ def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert blocks, "the README has no Python example"
     monkeypatch.chdir(tmp_path)
     for block in blocks:
-        namespace: dict[str, object] = {}
+        namespace: dict[str, object] = {"__name__": "readme_example"}  # Flask(__name__)
         # The example leaves the routes to the reader.
         exec(compile(block.replace("routes=[...]", "routes=[]"), "README.md", "exec"), namespace)
         app = namespace.get("app")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -13,6 +14,22 @@ from collections.abc import Sequence
 from .errors import ConfigurationError
 
 __all__ = ["main"]
+
+# What `porch demo` imports, checked before anything is imported.
+DEMO_NEEDS = ("uvicorn", "starlette", "prometheus_client")
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    """The top-level modules among ``names`` that cannot be imported here."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,11 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-    except ImportError:  # pragma: no cover - depends on the install
-        print("porch demo needs uvicorn: pip install 'porch[demo]'", file=sys.stderr)
+    missing = missing_modules(DEMO_NEEDS)
+    if missing:
+        # A message naming the extra, not a traceback from deep inside an import.
+        print(f"porch demo needs {', '.join(missing)}: pip install 'porch[demo]'", file=sys.stderr)
         return 2
+    import uvicorn
+
     from .demo import CONFIG_ENV, DemoConfig
     from .pool import KeyPool
     from .rules import Limit

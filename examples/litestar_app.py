@@ -1,0 +1,84 @@
+"""Litestar behind porch: a rate-limited page and idempotent orders, scoped to the API key's user.
+
+Run: uvicorn examples.litestar_app:app --no-proxy-headers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import uuid
+from pathlib import Path
+from typing import Any
+
+from litestar import Litestar, Request, get, post
+from litestar.middleware import DefineMiddleware
+
+from porch import (
+    CallerScope,
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    KeyPool,
+    Limit,
+    RateLimitMiddleware,
+    Rule,
+    SQLiteStore,
+)
+
+DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
+USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids
+anonymous = CallerScope()
+
+
+def user_scope(scope: dict[str, Any]) -> str:
+    """Idempotency keys belong to the API key's user (other callers: porch's default)."""
+    for name, value in scope["headers"]:
+        if name == b"x-api-key" and value.decode("latin-1") in USERS:
+            return "user:" + USERS[value.decode("latin-1")]
+    return anonymous(scope)
+
+
+def record_order(user: str, body: bytes) -> int:
+    """The side effect that must happen once: a row in this app's own database."""
+    with sqlite3.connect(DATA / "orders.sqlite3") as db:
+        db.execute("CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, user, body)")
+        cursor = db.execute("INSERT INTO orders (user, body) VALUES (?, ?)", (user, body))
+        return int(cursor.lastrowid or 0)
+
+
+@get("/hello")
+async def hello() -> dict[str, str]:
+    return {"hello": "world"}
+
+
+@get("/health")
+async def health() -> dict[str, bool]:
+    return {"ok": True}
+
+
+@post("/orders")  # Litestar answers 201 for POST
+async def create_order(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    user = USERS.get(request.headers.get("x-api-key", ""), "anonymous")
+    await asyncio.sleep(float(os.environ.get("CHECKOUT_DELAY", "0")))  # a payment provider, say
+    order = record_order(user, await request.body())
+    return {"order": order, "user": user, "receipt": uuid.uuid4().hex}
+
+
+pool = KeyPool(SQLiteStore(DATA))
+hello_limit = int(os.environ.get("HELLO_LIMIT", "5"))
+app = Litestar(
+    route_handlers=[hello, health, create_order],
+    # The first listed runs first: limit, then idempotency.
+    middleware=[
+        DefineMiddleware(
+            RateLimitMiddleware,
+            pool=pool,
+            rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
+        ),
+        DefineMiddleware(
+            IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
+        ),
+    ],
+    on_shutdown=[pool.close],  # Litestar keeps lifespan to itself: close the pool here
+)

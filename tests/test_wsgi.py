@@ -1,0 +1,141 @@
+"""porch.wsgi under a real WSGI server (wsgiref, on a loopback socket in a thread).
+
+gunicorn with several sync workers is exercised by tests/e2e/test_examples.py
+(Flask, Django); these tests pin the bridge itself: bodies both ways, streaming,
+``close()``, failures, and a clean stop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import httpx
+import pytest
+
+from porch import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    KeyPool,
+    Limit,
+    RateLimitMiddleware,
+    Rule,
+    SQLiteStore,
+)
+from porch.wsgi import WSGIMiddleware
+
+
+class Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class App:
+    """A WSGI app that streams, records close(), echoes bodies and fails on demand."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.closed = 0
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        path = environ["PATH_INFO"]
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(length) if length else b""
+        self.runs += 1
+        if path == "/fail" and self.runs == 1:
+            raise RuntimeError("the first run fails")
+        start_response("201 Created", [("Content-Type", "text/plain"), ("X-Run", str(self.runs))])
+        return self.Stream([b"run ", str(self.runs).encode(), b" got ", body], self)
+
+    class Stream:
+        def __init__(self, chunks: list[bytes], app: App) -> None:
+            self.chunks = chunks
+            self.app = app
+
+        def __iter__(self) -> Iterator[bytes]:
+            yield from self.chunks
+
+        def close(self) -> None:
+            self.app.closed += 1
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, App, WSGIMiddleware]]:
+    app = App()
+    pool = KeyPool(SQLiteStore(tmp_path), size=2)
+    guarded = WSGIMiddleware(
+        app,
+        pool=pool,
+        wrap=lambda inner: RateLimitMiddleware(
+            IdempotencyMiddleware(inner, pool=pool, rules=IdempotencyRule("/", methods=["POST"])),
+            pool=pool,
+            rules=Rule(Limit(3, 60), path="/limited"),
+        ),
+    )
+    server: WSGIServer = make_server("127.0.0.1", 0, guarded, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", app, guarded
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+        guarded.close()
+
+
+def test_bodies_both_ways_streamed_and_closed(served: tuple[str, App, WSGIMiddleware]) -> None:
+    base, app, _ = served
+    plain = httpx.post(base + "/echo", content=b"unkeyed", timeout=30)
+    assert plain.status_code == 201
+    assert plain.content == b"run 1 got unkeyed"
+    keyed = httpx.post(base + "/echo", content=b"keyed", headers={"Idempotency-Key": "k1"})
+    assert keyed.content == b"run 2 got keyed"
+    again = httpx.post(base + "/echo", content=b"keyed", headers={"Idempotency-Key": "k1"})
+    assert again.content == keyed.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert app.runs == 2
+    assert app.closed == 2  # every iterable the app returned was closed
+
+
+def test_limits_and_their_headers(served: tuple[str, App, WSGIMiddleware]) -> None:
+    base, app, _ = served
+    answers = [httpx.get(base + "/limited", timeout=30) for _ in range(5)]
+    assert [a.status_code for a in answers] == [201, 201, 201, 429, 429]
+    assert answers[0].headers["x-ratelimit-remaining"] == "2"
+    assert answers[3].headers["content-type"] == "application/problem+json"
+    assert int(answers[3].headers["retry-after"]) >= 1
+    assert app.runs == 3
+
+
+def test_a_failing_owner_releases_its_key(served: tuple[str, App, WSGIMiddleware]) -> None:
+    base, _app, _ = served
+    first = httpx.post(base + "/fail", content=b"x", headers={"Idempotency-Key": "f"}, timeout=30)
+    assert first.status_code == 500  # the server's answer to an app that raised
+    second = httpx.post(base + "/fail", content=b"x", headers={"Idempotency-Key": "f"}, timeout=30)
+    assert second.status_code == 201  # ran again: nothing was stored, the key was free
+    assert "idempotent-replayed" not in second.headers
+
+
+def test_close_stops_the_loop_thread(served: tuple[str, App, WSGIMiddleware]) -> None:
+    base, _, guarded = served
+    assert httpx.get(base + "/echo", timeout=30).status_code == 201
+    assert any(t.name == "porch-wsgi-loop" for t in threading.enumerate())
+    guarded.close()
+    assert not any(t.name == "porch-wsgi-loop" for t in threading.enumerate())
+    assert not guarded.pool.started
+    # The next request starts it again.
+    assert httpx.get(base + "/echo", timeout=30).status_code == 201
+
+
+def test_off_switch_and_configuration(tmp_path: Path) -> None:
+    app = App()
+    pool = KeyPool(SQLiteStore(tmp_path))
+    off = WSGIMiddleware(app, pool=pool, wrap=lambda inner: inner, enabled=False)
+    assert off.app is app
+    with pytest.raises(ConfigurationError, match="pool must be a porch KeyPool"):
+        WSGIMiddleware(app, pool=object(), wrap=lambda inner: inner)  # type: ignore[arg-type]
