@@ -1,0 +1,56 @@
+"""Where porch keeps things in Redis: key names with hash tags that keep each op in one slot.
+
+Every script touches the keys of one hash tag only, so each op runs on one
+node of a Redis Cluster: a rule's counters are tagged by rule and caller (all
+its limits, decided together), an idempotency record and its caller's quota
+bookkeeping by the caller's scope. The tag is a short digest, so a caller
+name holding ``{`` or ``}`` cannot move a key to another slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = ["KeyNames"]
+
+_US = "\x1f"  # porch's field separator inside its logical keys
+
+
+def _tag(text: str) -> str:
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return "{" + digest + "}"
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+class KeyNames:
+    """The Redis names of porch's logical keys under one prefix."""
+
+    __slots__ = ("channel", "prefix", "total_sizes", "total_zset")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        # Save/Release publish the logical key here; each process subscribes once.
+        self.channel = _encode(f"{prefix}:wake")
+        # The store-wide byte total is one key pair (outside any caller's slot).
+        self.total_zset = _encode(f"{prefix}:qz:{{total}}")
+        self.total_sizes = _encode(f"{prefix}:qb:{{total}}")
+
+    def counter(self, key: str) -> bytes:
+        # porch's counter keys are rl US rule US limit US caller: tag by rule and caller.
+        parts = key.split(_US, 3)
+        source = parts[1] + _US + parts[3] if len(parts) == 4 and parts[0] == "rl" else key
+        return _encode(f"{self.prefix}:c:{_tag(source)}:{key}")
+
+    def record(self, key: str) -> bytes:
+        # porch's idempotency keys are scope US key: tag by scope, like its quota.
+        return _encode(f"{self.prefix}:r:{_tag(key.split(_US, 1)[0])}:{key}")
+
+    def scope(self, scope: str) -> tuple[bytes, bytes]:
+        tag = _tag(scope)
+        return (
+            _encode(f"{self.prefix}:qz:{tag}:{scope}"),
+            _encode(f"{self.prefix}:qb:{tag}:{scope}"),
+        )

@@ -1,0 +1,374 @@
+"""The Redis store: every op a server-side script, a shard's whole drain one pipeline.
+
+Counters, claims and stored responses change only inside Lua scripts that
+read the server's ``TIME``, so every app host decides on the same clock and
+each decision is atomic on the server; nothing is read, decided in Python and
+written back. Scripts run by SHA (``EVALSHA``), loaded at open and again
+after a ``NOSCRIPT`` (a ``SCRIPT FLUSH``, a restart, a failover).
+
+A claim is a lease in server time with a fence token. While the process
+lives, a heartbeat renews every claim it holds every ``lease / 3`` seconds in
+one pipeline; close() releases them. A holder that dies (or freezes, or loses
+its network) stops renewing, so its key is free ``lease`` seconds later at
+most, and its late Save is refused (fenced) once another owner took the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+from ...errors import ConfigurationError, StoreError
+from ..base import (
+    Claim,
+    Hit,
+    Lookup,
+    Quota,
+    Release,
+    Save,
+    StoredResponse,
+    StoreOp,
+    StoreStatistics,
+)
+from .claims import RedisClaims
+from .keys import KeyNames
+from .scripts import Script, load_scripts
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+__all__ = ["RedisStore"]
+
+logger = logging.getLogger("porch.store")
+
+_DEFAULT_QUOTA = Quota()
+# (script name, or None for a plain HMGET of the record; keys; arguments)
+_Command = tuple[str | None, list[bytes], list[bytes | str | int]]
+_FIELDS = (b"d", b"s", b"h", b"b")
+
+
+def _redacted(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    return json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]).encode()
+
+
+def _stored(digest: bytes, status: bytes, headers: bytes, body: bytes) -> StoredResponse:
+    return StoredResponse(
+        bytes(digest),
+        int(status),
+        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
+        bytes(body),
+    )
+
+
+class RedisStore:
+    """Counters, stored responses and idempotency claims in one Redis server.
+
+    ``url``: ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``).
+    ``prefix`` namespaces every key and the wake-up channel. ``lease``: seconds a
+    claim outlives its holder's last heartbeat. ``connect_timeout`` and
+    ``timeout`` bound each connection attempt and each reply, so a stopped or
+    frozen server fails an apply with StoreError instead of hanging;
+    ``max_connections`` caps the pool, and a caller finding every connection
+    busy waits up to ``pool_timeout`` for one.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "porch",
+        lease: float = 3.0,
+        connect_timeout: float = 2.0,
+        timeout: float = 5.0,
+        max_connections: int = 32,
+        pool_timeout: float = 5.0,
+        reconnect_delay: float = 0.5,
+    ) -> None:
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigurationError(
+                f"a Redis store URL starts with redis://, rediss:// or unix://, got {scheme!r}"
+            )
+        if not prefix or any(c in prefix for c in "{}"):
+            raise ConfigurationError(f"prefix must be non-empty without braces, got {prefix!r}")
+        if not lease > 0:
+            raise ConfigurationError(f"lease must be > 0 seconds, got {lease}")
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("timeout", timeout),
+            ("pool_timeout", pool_timeout),
+            ("reconnect_delay", reconnect_delay),
+        ):
+            if not value > 0:
+                raise ConfigurationError(f"{name} must be > 0 seconds, got {value}")
+        if max_connections < 2:
+            raise ConfigurationError(f"max_connections must be >= 2, got {max_connections}")
+        try:
+            import redis.asyncio  # noqa: F401  (optional driver, checked at construction)
+        except ImportError:
+            raise ConfigurationError(
+                "the Redis store needs the redis client: pip install 'porch[redis]'"
+            ) from None
+        self.url = url
+        self.prefix = prefix
+        self.lease = lease
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.pool_timeout = pool_timeout
+        self.names = KeyNames(prefix)
+        self.claims = RedisClaims(self.names.channel, reconnect_delay=reconnect_delay)
+        self._scripts: dict[str, Script] = load_scripts()
+        self._lease_ms = max(1, math.ceil(lease * 1000))
+        self._client: Redis | None = None
+        self._subscriber: Redis | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        # Claims this process holds, renewed by the heartbeat: logical key -> token.
+        self._held: dict[str, int] = {}
+        self._transactions = 0
+        self._operations = 0
+        self._failures = 0
+
+    def __repr__(self) -> str:
+        return f"RedisStore({_redacted(self.url)!r}, prefix={self.prefix!r})"
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def _connect(self, max_connections: int) -> Redis:
+        from redis.asyncio import BlockingConnectionPool, Redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        pool = BlockingConnectionPool.from_url(
+            self.url,
+            max_connections=max_connections,
+            timeout=self.pool_timeout,
+            socket_connect_timeout=self.connect_timeout,
+            socket_timeout=self.timeout,
+            socket_keepalive=True,
+            # Never resend: a script whose reply was lost may have run (a hit counted).
+            retry=Retry(NoBackoff(), 0),
+        )
+        return Redis(connection_pool=pool)
+
+    async def open(self) -> None:
+        if self._client is not None:
+            return
+        client = self._connect(self.max_connections)
+        subscriber = self._connect(1)
+        try:
+            await self._load_scripts(client)
+            await self.claims.start(subscriber, self.connect_timeout + self.timeout)
+        except BaseException as exc:
+            await self.claims.stop()
+            await _close_client(subscriber)
+            await _close_client(client)
+            if isinstance(exc, Exception):
+                raise StoreError(f"cannot open Redis store {_redacted(self.url)}: {exc}") from exc
+            raise
+        self._client = client
+        self._subscriber = subscriber
+        self._heartbeat = asyncio.get_running_loop().create_task(
+            self._renew_forever(), name="porch-redis-heartbeat"
+        )
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+        held, self._held = self._held, {}
+        if held:
+            # Waiters elsewhere need not wait out the lease of a process that is leaving.
+            try:
+                await self._execute(
+                    client,
+                    [
+                        ("release", [self.names.record(k)], [str(t), self.names.channel, k])
+                        for k, t in held.items()
+                    ],
+                )
+            except StoreError as exc:
+                logger.warning("porch: releasing claims at close failed (%s); they lapse", exc)
+        await self.claims.stop()
+        if self._subscriber is not None:
+            await _close_client(self._subscriber)
+            self._subscriber = None
+        await _close_client(client)
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(self._transactions, self._operations, self._failures)
+
+    # -- applying a batch ----------------------------------------------------------
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        client = self._client
+        if client is None:
+            raise StoreError("the Redis store is not open")
+        commands = [self._command(op) for op in ops]
+        try:
+            results = await self._execute(client, commands)
+        except StoreError:
+            self._failures += 1
+            raise
+        self._transactions += 1
+        self._operations += len(ops)
+        for op, result in zip(ops, results, strict=True):
+            self._settle(op, result)
+
+    def _command(self, op: StoreOp) -> _Command:
+        names = self.names
+        if type(op) is Hit:
+            args: list[bytes | str | int] = []
+            for amount, window in zip(op.amounts, op.windows, strict=True):
+                args += [amount, max(1, math.ceil(window * 1000))]
+            return ("hit", [names.counter(k) for k in op.keys], args)
+        if type(op) is Lookup:
+            return (None, [names.record(op.key)], list(_FIELDS))
+        if type(op) is Claim:
+            return ("claim", [names.record(op.key)], [self._lease_ms])
+        if type(op) is Save:
+            quota = op.quota if op.quota is not None else _DEFAULT_QUOTA
+            response = op.response
+            zset, sizes = names.scope(op.scope)
+            return (
+                "save",
+                [names.record(op.key), zset, sizes, names.total_zset, names.total_sizes],
+                [
+                    str(op.token),
+                    response.digest,
+                    response.status,
+                    _encode_headers(response.headers),
+                    response.body,
+                    max(1, math.ceil(op.ttl * 1000)),
+                    quota.scope_bytes,
+                    quota.total_bytes,
+                    names.channel,
+                    op.key,
+                ],
+            )
+        if type(op) is Release:
+            return ("release", [names.record(op.key)], [str(op.token), names.channel, op.key])
+        raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
+
+    def _settle(self, op: StoreOp, result: Any) -> None:
+        if type(op) is Hit:
+            n = len(op.keys)
+            op.allowed = result[0] == 1
+            op.wall = result[1] / 1000.0
+            op.counts = [int(c) for c in result[2 : 2 + n]]
+            op.resets = [r / 1000.0 for r in result[2 + n : 2 + 2 * n]]
+        elif type(op) is Lookup:
+            digest, status, headers, body = result
+            op.result = None if digest is None else _stored(digest, status, headers, body)
+        elif type(op) is Claim:
+            if result[0] == 0:
+                op.held = True
+                op.retry_after = result[1] / 1000.0
+            elif result[0] == 1:
+                op.stored = _stored(*result[1:5])
+            else:
+                op.token = int(result[1])
+                self._held[op.key] = op.token
+        elif type(op) is Save:
+            op.outcome = result.decode() if isinstance(result, bytes) else str(result)  # type: ignore[assignment]
+            if op.token and self._held.get(op.key) == op.token:
+                del self._held[op.key]
+        elif type(op) is Release:
+            op.released = result == 1
+            if self._held.get(op.key) == op.token:
+                del self._held[op.key]
+
+    async def _execute(self, client: Redis, commands: list[_Command]) -> list[Any]:
+        """Send ``commands`` as one pipeline; scripts the server lost are loaded and rerun."""
+        from redis.exceptions import NoScriptError
+
+        try:
+            results = await self._pipeline(client, commands)
+            missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+            if missing:
+                # Only the commands refused with NOSCRIPT are rerun: they did not run.
+                logger.info("porch: Redis lost porch's scripts (NOSCRIPT); loading them again")
+                await self._load_scripts(client)
+                again = await self._pipeline(client, [commands[i] for i in missing])
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
+        except Exception as exc:
+            raise StoreError(f"Redis store {_redacted(self.url)}: {exc!r}") from exc
+        for result in results:
+            if isinstance(result, Exception):
+                raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
+        return results
+
+    async def _pipeline(self, client: Redis, commands: list[_Command]) -> list[Any]:
+        scripts = self._scripts
+        async with client.pipeline(transaction=False) as pipe:
+            for script, keys, args in commands:
+                if script is None:
+                    pipe.hmget(keys[0], args)
+                else:
+                    pipe.evalsha(scripts[script].sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def _load_scripts(self, client: Redis) -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for script in self._scripts.values():
+                pipe.script_load(script.source)
+            loaded = await pipe.execute()
+        for script, sha in zip(self._scripts.values(), loaded, strict=True):
+            if (sha.decode() if isinstance(sha, bytes) else sha) != script.sha:
+                raise StoreError(f"Redis loaded script {script.name} under an unexpected SHA")
+
+    # -- the heartbeat -------------------------------------------------------------
+
+    async def _renew_forever(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            client = self._client
+            held = list(self._held.items())
+            if client is None or not held:
+                continue
+            try:
+                results = await self._execute(
+                    client,
+                    [("renew", [self.names.record(k)], [str(t), self._lease_ms]) for k, t in held],
+                )
+            except StoreError as exc:
+                if not failing:
+                    logger.warning("porch: renewing idempotency claims failed: %s", exc)
+                    failing = True
+                continue
+            failing = False
+            for (key, token), renewed in zip(held, results, strict=True):
+                if renewed != 1 and self._held.get(key) == token:
+                    # Lapsed and taken over (or stored): this holder's Save will be fenced.
+                    del self._held[key]
+                    logger.warning("porch: an idempotency claim lapsed before its heartbeat")
+
+
+async def _close_client(client: Redis) -> None:
+    try:
+        await client.aclose()
+        await client.connection_pool.disconnect()
+    except Exception as exc:  # closing a broken connection: nothing left to save
+        logger.debug("porch: closing a Redis client: %s", exc)

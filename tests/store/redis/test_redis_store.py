@@ -1,0 +1,240 @@
+"""Redis specifics beyond the conformance suite: scripts, pipelines, keys, pool, heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+from servers import running_redis
+
+from porch.errors import ConfigurationError
+from porch.store.base import Claim, Hit, Lookup, Save, StoredResponse
+from porch.store.redis import RedisStore
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"porch-r{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    c = redis.asyncio.Redis.from_url(redis_url)
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+async def store(redis_url: str, prefix: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_url, prefix=prefix)
+    await s.open()
+    yield s
+    await s.close()
+
+
+def _rule_keys(rule: str, caller: str) -> list[str]:
+    return [f"rl\x1f{rule}\x1f{limit}\x1f{caller}" for limit in ("second", "hour")]
+
+
+async def test_a_whole_drain_goes_out_as_one_pipeline(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    hits = [Hit(_rule_keys("api", f"c{i % 10}"), [100, 1000], [60.0, 3600.0]) for i in range(200)]
+    lookups = [Lookup(f"scope\x1fk{i}") for i in range(20)]
+    await store.apply([*hits, *lookups])
+    assert store.statistics().transactions == 1
+    assert store.statistics().operations == 220
+    assert all(h.allowed for h in hits)
+    # Counts come from the server's keys, not from the replies.
+    keys = [k async for k in client.scan_iter(match=f"{store.prefix}:c:*")]
+    assert len(keys) == 20
+    assert sorted(int(v) for v in await client.mget(keys) if v is not None) == [20] * 20
+
+
+async def test_a_rules_limits_share_one_hash_tag_and_callers_do_not(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    await store.apply([Hit(_rule_keys("api", c), [5, 50], [1.0, 60.0]) for c in ("a", "b{x}")])
+    tags: dict[str, set[str]] = {}
+    async for key in client.scan_iter(match=f"{store.prefix}:c:*"):
+        text = key.decode()
+        tag = re.search(r"\{[0-9a-f]{16}\}", text)
+        assert tag is not None, text
+        assert text.index("{") == tag.start(), text
+        tags.setdefault(text.rsplit("\x1f", 1)[1], set()).add(tag.group())
+    assert set(tags) == {"a", "b{x}"}
+    assert all(len(t) == 1 for t in tags.values())  # both limits of a caller: one slot
+    assert tags["a"] != tags["b{x}"]
+
+
+async def test_lost_scripts_are_loaded_again_on_noscript(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    keys = _rule_keys("api", "flush")
+    first = Hit(keys, [10, 10], [60.0, 60.0])
+    await store.apply([first])
+    await client.script_flush()
+    assert not any(await client.script_exists(*(s.sha for s in store._scripts.values())))
+    second, claim = Hit(keys, [10, 10], [60.0, 60.0]), Claim("s\x1fflush")
+    await store.apply([second, claim])
+    assert second.counts == [2, 2]  # ran once: the refused EVALSHA did not count
+    assert claim.token > 0
+    assert all(await client.script_exists(*(s.sha for s in store._scripts.values())))
+
+
+async def test_decisions_are_taken_on_the_servers_clock(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    hit = Hit(_rule_keys("api", "clock"), [5, 5], [30.0, 90.0])
+    before = await client.time()
+    await store.apply([hit])
+    after = await client.time()
+    assert before[0] + before[1] / 1e6 - 0.002 <= hit.wall <= after[0] + after[1] / 1e6 + 0.002
+    assert hit.resets == [30.0, 90.0]
+
+
+async def test_a_busy_pool_makes_callers_wait_instead_of_failing(
+    redis_url: str, prefix: str, client: redis.asyncio.Redis
+) -> None:
+    store = RedisStore(redis_url, prefix=prefix, max_connections=2)
+    await store.open()
+    try:
+        hits = [Hit([f"busy{i % 3}"], [1000], [60.0]) for i in range(60)]
+        await asyncio.gather(*(store.apply([h]) for h in hits))
+        assert all(h.allowed for h in hits)
+        assert store.statistics().failures == 0
+    finally:
+        await store.close()
+    values = await client.mget([store.names.counter(f"busy{i}") for i in range(3)])
+    assert sorted(int(v) for v in values if v is not None) == [20, 20, 20]
+
+
+async def test_the_heartbeat_keeps_a_live_holders_claim_past_its_lease(
+    redis_url: str, prefix: str
+) -> None:
+    holder = RedisStore(redis_url, prefix=prefix, lease=0.6)
+    other = RedisStore(redis_url, prefix=prefix, lease=0.6)
+    await holder.open()
+    await other.open()
+    try:
+        claim = Claim("s\x1fbeat")
+        await holder.apply([claim])
+        await asyncio.sleep(2.0)  # more than three leases
+        again = Claim("s\x1fbeat")
+        await other.apply([again])
+        assert again.held
+        assert again.retry_after is not None
+        assert again.retry_after <= 0.6
+        response = StoredResponse(b"d", 200, (), b"ok")
+        save = Save("s\x1fbeat", response, 60, token=claim.token)
+        await holder.apply([save])
+        assert save.outcome == "saved"
+    finally:
+        await holder.close()
+        await other.close()
+
+
+async def test_close_releases_the_claims_this_process_holds(redis_url: str, prefix: str) -> None:
+    holder = RedisStore(redis_url, prefix=prefix, lease=30.0)
+    other = RedisStore(redis_url, prefix=prefix, lease=30.0)
+    await holder.open()
+    await other.open()
+    try:
+        claims = [Claim(f"s\x1fclose{i}") for i in range(5)]
+        await holder.apply(claims)
+        woken: list[str] = []
+        for c in claims:
+            held = Claim(c.key)
+            await other.apply([held])
+            assert held.held
+            other.claims.watch(c.key, functools.partial(woken.append, c.key), held.retry_after)
+        await holder.close()
+        for _ in range(100):
+            if len(woken) == 5:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(woken) == sorted(c.key for c in claims)  # by message, not lease (30 s)
+        taken = [Claim(c.key) for c in claims]
+        await other.apply(taken)
+        assert all(t.token > c.token for t, c in zip(taken, claims, strict=True))
+    finally:
+        await other.close()
+
+
+async def test_a_lost_subscription_wakes_every_watched_key_once(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    woken: list[str] = []
+    for i in range(3):
+        store.claims.watch(f"s\x1fw{i}", functools.partial(woken.append, f"w{i}"), None)
+    assert await client.client_kill_filter(_type="pubsub") >= 1
+    for _ in range(200):
+        if len(woken) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(woken) == ["w0", "w1", "w2"]
+    assert store.claims.reconnects == 1
+    # Subscribed again: a save's message reaches a new watch.
+    late: list[int] = []
+    store.claims.watch("s\x1flate", lambda: late.append(1), None)
+    await store.apply([Save("s\x1flate", StoredResponse(b"d", 200, (), b""), 60)])
+    for _ in range(100):
+        if late:
+            break
+        await asyncio.sleep(0.05)
+    assert late == [1]
+    assert sorted(woken) == ["w0", "w1", "w2"]  # each woken once
+
+
+async def test_restart_with_aof_keeps_counts() -> None:
+    with running_redis(appendonly=True, appendfsync="always") as server:
+        store = RedisStore(server.url, prefix="aof")
+        await store.open()
+        keys = _rule_keys("api", "aof")
+        hits = [Hit(keys, [10, 10], [3600.0, 3600.0]) for _ in range(7)]
+        try:
+            await store.apply(hits)
+            server.stop(kill=True)  # kill -9: only what is in the AOF survives
+            server.start()
+            after = Hit(keys, [10, 10], [3600.0, 3600.0])
+            for _ in range(100):  # the pool reconnects by itself
+                try:
+                    await store.apply([after])
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            assert after.counts == [8, 8]
+        finally:
+            await store.close()
+
+
+def test_settings_are_validated_with_exact_messages() -> None:
+    url = "redis://127.0.0.1:1/0"
+    cases: dict[str, dict[str, Any]] = {
+        "a Redis store URL starts with redis://, rediss:// or unix://, got 'postgresql'": dict(
+            url="postgresql://x/y"
+        ),
+        "prefix must be non-empty without braces, got 'a{b}'": dict(prefix="a{b}"),
+        "lease must be > 0 seconds, got 0": dict(lease=0),
+        "timeout must be > 0 seconds, got -1": dict(timeout=-1),
+        "max_connections must be >= 2, got 1": dict(max_connections=1),
+    }
+    for message, options in cases.items():
+        target = str(options.pop("url", url))
+        with pytest.raises(ConfigurationError, match=f"^{re.escape(message)}$"):
+            RedisStore(target, **options)
+
+
+def test_a_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis.asyncio", None)
+    with pytest.raises(ConfigurationError, match=re.escape("pip install 'porch[redis]'")):
+        RedisStore("redis://127.0.0.1:1/0")
