@@ -129,15 +129,21 @@ class Server:
 
 
 class Redis:
-    """A throwaway redis-server on loopback; ``fsync`` makes every write durable first."""
+    """A throwaway redis-server on loopback.
 
-    def __init__(self, *, fsync: bool = False) -> None:
+    ``appendfsync``: None keeps no AOF; ``"everysec"`` appends every write and
+    syncs once a second; ``"always"`` syncs every write before replying.
+    """
+
+    def __init__(self, *, appendfsync: str | None = None) -> None:
         if not shutil.which("redis-server"):
             raise RuntimeError("redis-server not found (apt-get install redis-server)")
         self.dir = tempfile.mkdtemp(prefix="porch-bench-redis-")
         self.port = free_port()
         durability = (
-            ["--appendonly", "yes", "--appendfsync", "always"] if fsync else ["--appendonly", "no"]
+            ["--appendonly", "no"]
+            if appendfsync is None
+            else ["--appendonly", "yes", "--appendfsync", appendfsync]
         )
         self.proc = subprocess.Popen(
             [

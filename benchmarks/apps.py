@@ -4,8 +4,9 @@ uvicorn builds the app in each server process from the environment:
 ``BENCH_VARIANT`` names the variant, ``BENCH_DATA`` the data directory,
 ``BENCH_WINDOW`` the limiter window (seconds), ``BENCH_TRUST_HOPS`` the trusted
 proxy hops (for runs that set a different forwarded client per request), and
-``BENCH_REDIS`` the Redis URL of the Redis-backed peers, ``BENCH_POSTGRES`` and
-``BENCH_SCHEMA`` the PostgreSQL URL and schema of the PostgreSQL-backed rows.
+``BENCH_REDIS`` the Redis URL of the Redis-backed rows (porch's and slowapi's),
+``BENCH_POSTGRES`` and ``BENCH_SCHEMA`` the PostgreSQL URL and schema of the
+PostgreSQL-backed rows.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ VARIANTS = (
     "limiter",
     "limiter-power",
     "limiter-postgres",
+    "limiter-redis",
     "idempotency",
     "idempotency-postgres",
+    "idempotency-redis",
     "slowapi-memory",
     "slowapi-redis",
     "peer-idempotency",
@@ -85,6 +88,10 @@ def create() -> Starlette:
             return PostgresStore(
                 os.environ["BENCH_POSTGRES"], schema=os.environ.get("BENCH_SCHEMA", "porch")
             )
+        if variant.endswith("-redis"):
+            from porch.store.redis import RedisStore
+
+            return RedisStore(redis_url, prefix="bench")
         return SQLiteStore(data, durability="power" if variant == "limiter-power" else "process")
 
     headers = LIMITER_HEADERS if variant == "bare-headers" else None
@@ -119,7 +126,7 @@ def create() -> Starlette:
         return _slowapi(routes, hello, "memory://" if variant == "slowapi-memory" else redis_url)
 
     app = Starlette(routes=routes)
-    if variant in ("limiter", "limiter-power", "limiter-postgres"):
+    if variant in ("limiter", "limiter-power", "limiter-postgres", "limiter-redis"):
         pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(
@@ -129,7 +136,7 @@ def create() -> Starlette:
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
         )
-    elif variant in ("idempotency", "idempotency-postgres"):
+    elif variant in ("idempotency", "idempotency-postgres", "idempotency-redis"):
         pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(

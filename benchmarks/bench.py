@@ -64,7 +64,7 @@ class Case:
     what: str
     path: str = "/"
     workers: int = 1
-    redis: str = ""  # "", "plain" or "fsync"
+    redis: str = ""  # "", or the Redis server's appendfsync: "everysec" or "always"
     postgres: bool = False  # a PostgreSQL server on loopback (fsync and synchronous_commit on)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -81,14 +81,37 @@ CASES = (
     Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
     Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),
-    Case("slowapi-redis", "slowapi-redis", GET, "bare", "slowapi, Redis storage", redis="plain"),
+    Case(
+        "slowapi-redis",
+        "slowapi-redis",
+        GET,
+        "bare",
+        "slowapi, Redis storage (appendfsync everysec)",
+        redis="everysec",
+    ),
     Case(
         "slowapi-redis-fsync",
         "slowapi-redis",
         GET,
         "bare",
         "slowapi, Redis with appendfsync always",
-        redis="fsync",
+        redis="always",
+    ),
+    Case(
+        "limiter-redis",
+        "limiter-redis",
+        GET,
+        "bare",
+        "porch limiter, Redis store (appendfsync everysec)",
+        redis="everysec",
+    ),
+    Case(
+        "limiter-redis-fsync",
+        "limiter-redis",
+        GET,
+        "bare",
+        "porch limiter, Redis store with appendfsync always",
+        redis="always",
     ),
     Case("bare-post", "bare", POST, "bare-post", "POST /orders, no idempotency", "/orders"),
     Case(
@@ -106,6 +129,42 @@ CASES = (
         "bare-post",
         "porch idempotency, one key (replays)",
         "/orders",
+    ),
+    Case(
+        "idem-first-redis",
+        "idempotency-redis",
+        POST_NEW_KEY,
+        "bare-post",
+        "porch idempotency, Redis store (everysec), a new key per request",
+        "/orders",
+        redis="everysec",
+    ),
+    Case(
+        "idem-first-redis-fsync",
+        "idempotency-redis",
+        POST_NEW_KEY,
+        "bare-post",
+        "porch idempotency, Redis store (always), a new key per request",
+        "/orders",
+        redis="always",
+    ),
+    Case(
+        "idem-replay-redis",
+        "idempotency-redis",
+        POST_SAME_KEY,
+        "bare-post",
+        "porch idempotency, Redis store (everysec), one key (replays)",
+        "/orders",
+        redis="everysec",
+    ),
+    Case(
+        "idem-replay-redis-fsync",
+        "idempotency-redis",
+        POST_SAME_KEY,
+        "bare-post",
+        "porch idempotency, Redis store (always), one key (replays)",
+        "/orders",
+        redis="always",
     ),
     Case(
         "peer-idem-first",
@@ -270,7 +329,7 @@ def main() -> int:
     postgres: Postgres | None = None
     try:
         for kind in sorted({c.redis for c in cases if c.redis}):
-            redis[kind] = Redis(fsync=kind == "fsync")
+            redis[kind] = Redis(appendfsync=kind)
         if any(c.postgres for c in cases):
             postgres = Postgres()
         with tempfile.TemporaryDirectory(prefix="porch-bench-") as tmpdir:
