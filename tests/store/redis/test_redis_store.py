@@ -195,8 +195,9 @@ async def test_a_lost_subscription_wakes_every_watched_key_once(
     assert sorted(woken) == ["w0", "w1", "w2"]  # each woken once
 
 
-async def test_restart_with_aof_keeps_counts() -> None:
-    with running_redis(appendonly=True, appendfsync="always") as server:
+@pytest.mark.parametrize("appendfsync", ["everysec", "always"])
+async def test_a_server_killed_and_restarted_with_aof_keeps_counts(appendfsync: str) -> None:
+    with running_redis(appendonly=True, appendfsync=appendfsync) as server:
         store = RedisStore(server.url, prefix="aof")
         await store.open()
         keys = _rule_keys("api", "aof")
