@@ -185,8 +185,13 @@ async def test_a_lost_subscription_wakes_every_watched_key_once(
     assert store.claims.reconnects == 1
     # Subscribed again: a save's message reaches a new watch.
     late: list[int] = []
+    owner, waiter = Claim("s\x1flate"), Claim("s\x1flate")
+    await store.apply([owner])
+    await store.apply([waiter])
+    assert waiter.held
     store.claims.watch("s\x1flate", lambda: late.append(1), None)
-    await store.apply([Save("s\x1flate", StoredResponse(b"d", 200, (), b""), 60)])
+    response = StoredResponse(b"d", 200, (), b"")
+    await store.apply([Save("s\x1flate", response, 60, token=owner.token)])
     for _ in range(100):
         if late:
             break

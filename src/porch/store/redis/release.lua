@@ -3,10 +3,15 @@
 if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
   return 0
 end
+local waited = redis.call('HGET', KEYS[1], 'w') == '1'
 if redis.call('HEXISTS', KEYS[1], 'd') == 1 then
   redis.call('HSET', KEYS[1], 'o', '0')
+  redis.call('HDEL', KEYS[1], 'w')
 else
   redis.call('DEL', KEYS[1])
 end
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+-- Only a claim someone found held has waiters to wake (on any host).
+if waited then
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
 return 1

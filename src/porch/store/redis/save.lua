@@ -11,6 +11,8 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = ARGV[10]
+-- Only a claim someone found held has waiters to wake (on any host).
+local waited = redis.call('HGET', rec, 'w') == '1'
 
 -- Live bytes only: entries whose expiry passed leave the sum (a bounded number per
 -- call; anything left over is trimmed by the next save, counting until then).
@@ -37,16 +39,18 @@ if scope_used - scope_old + size > tonumber(ARGV[7])
   if token ~= '0' then
     if redis.call('HEXISTS', rec, 'd') == 1 then
       redis.call('HSET', rec, 'o', '0')
+      redis.call('HDEL', rec, 'w')
     else
       redis.call('DEL', rec)
     end
-    redis.call('PUBLISH', ARGV[9], key)
+    if waited then redis.call('PUBLISH', ARGV[9], key) end
   end
   return 'quota'
 end
 local ttl = tonumber(ARGV[6])
 local expires = now + ttl
 redis.call('HSET', rec, 'o', '0', 'd', ARGV[2], 's', ARGV[3], 'h', ARGV[4], 'b', ARGV[5])
+redis.call('HDEL', rec, 'w')
 if token ~= '0' then redis.call('HSET', rec, 't', token) end
 redis.call('PEXPIRE', rec, ttl)
 for _, pair in ipairs({{KEYS[2], KEYS[3], scope_old}, {KEYS[4], KEYS[5], total_old}}) do
@@ -59,5 +63,5 @@ for _, pair in ipairs({{KEYS[2], KEYS[3], scope_old}, {KEYS[4], KEYS[5], total_o
     redis.call('PEXPIRE', pair[2], ttl)
   end
 end
-redis.call('PUBLISH', ARGV[9], key)
+if waited then redis.call('PUBLISH', ARGV[9], key) end
 return 'saved'

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from ..base import (
     StoreStatistics,
 )
 from .claims import RedisClaims
+from .group import GroupPipeline
 from .keys import KeyNames
 from .scripts import Script, load_scripts
 
@@ -48,6 +50,8 @@ __all__ = ["RedisStore"]
 logger = logging.getLogger("porch.store")
 
 _DEFAULT_QUOTA = Quota()
+# Pipelines a process keeps in flight; batches queued meanwhile leave together next.
+_PIPELINES_IN_FLIGHT = 2
 # (script name, or None for a plain HMGET of the record; keys; arguments)
 _Command = tuple[str | None, list[bytes], list[bytes | str | int]]
 _FIELDS = (b"d", b"s", b"h", b"b")
@@ -138,6 +142,7 @@ class RedisStore:
         self._client: Redis | None = None
         self._subscriber: Redis | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._group: GroupPipeline | None = None
         # Claims this process holds, renewed by the heartbeat: logical key -> token.
         self._held: dict[str, int] = {}
         self._transactions = 0
@@ -183,6 +188,9 @@ class RedisStore:
             raise
         self._client = client
         self._subscriber = subscriber
+        self._group = GroupPipeline(
+            functools.partial(self._send, client), limit=_PIPELINES_IN_FLIGHT
+        )
         self._heartbeat = asyncio.get_running_loop().create_task(
             self._renew_forever(), name="porch-redis-heartbeat"
         )
@@ -191,6 +199,9 @@ class RedisStore:
         client, self._client = self._client, None
         if client is None:
             return
+        group, self._group = self._group, None
+        if group is not None:
+            self._transactions += group.pipelines
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -216,21 +227,23 @@ class RedisStore:
         await _close_client(client)
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(self._transactions, self._operations, self._failures)
+        pipelines = self._transactions + (self._group.pipelines if self._group else 0)
+        return StoreStatistics(pipelines, self._operations, self._failures)
 
     # -- applying a batch ----------------------------------------------------------
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
-        client = self._client
-        if client is None:
+        group = self._group
+        if group is None:
             raise StoreError("the Redis store is not open")
-        commands = [self._command(op) for op in ops]
         try:
-            results = await self._execute(client, commands)
+            results = await group.run([self._command(op) for op in ops])
+            for result in results:
+                if isinstance(result, Exception):
+                    raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
         except StoreError:
             self._failures += 1
             raise
-        self._transactions += 1
         self._operations += len(ops)
         for op, result in zip(ops, results, strict=True):
             self._settle(op, result)
@@ -299,7 +312,15 @@ class RedisStore:
                 del self._held[op.key]
 
     async def _execute(self, client: Redis, commands: list[_Command]) -> list[Any]:
-        """Send ``commands`` as one pipeline; scripts the server lost are loaded and rerun."""
+        """Send ``commands`` as one pipeline and check every reply."""
+        results = await self._send(client, commands)
+        for result in results:
+            if isinstance(result, Exception):
+                raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
+        return results
+
+    async def _send(self, client: Redis, commands: list[_Command]) -> list[Any]:
+        """One pipeline; scripts the server lost are loaded and rerun; per-command errors kept."""
         from redis.exceptions import NoScriptError
 
         try:
@@ -314,9 +335,6 @@ class RedisStore:
                     results[i] = result
         except Exception as exc:
             raise StoreError(f"Redis store {_redacted(self.url)}: {exc!r}") from exc
-        for result in results:
-            if isinstance(result, Exception):
-                raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
         return results
 
     async def _pipeline(self, client: Redis, commands: list[_Command]) -> list[Any]:
@@ -324,7 +342,7 @@ class RedisStore:
         async with client.pipeline(transaction=False) as pipe:
             for script, keys, args in commands:
                 if script is None:
-                    pipe.hmget(keys[0], args)
+                    pipe.execute_command("HMGET", keys[0], *args)
                 else:
                     pipe.evalsha(scripts[script].sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
