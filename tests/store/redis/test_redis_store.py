@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from servers import running_redis
 
 from porch.errors import ConfigurationError
 from porch.store.base import Claim, Hit, Lookup, Save, StoredResponse
 from porch.store.redis import RedisStore
+from servers import running_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -244,3 +244,27 @@ def test_a_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "redis.asyncio", None)
     with pytest.raises(ConfigurationError, match=re.escape("pip install 'porch[redis]'")):
         RedisStore("redis://127.0.0.1:1/0")
+
+
+async def test_only_a_claim_someone_found_held_publishes_a_wake_up(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    pubsub = client.pubsub()
+    await pubsub.subscribe(store.names.channel)
+    try:
+        assert (await pubsub.get_message(timeout=5.0) or {}).get("type") == "subscribe"
+        response = StoredResponse(b"d", 201, (), b"ok")
+        alone = Claim("s\x1falone")
+        await store.apply([alone])
+        await store.apply([Save(alone.key, response, 60, token=alone.token)])
+        contended, waiter = Claim("s\x1fwaited"), Claim("s\x1fwaited")
+        await store.apply([contended])
+        await store.apply([waiter])
+        assert waiter.held
+        await store.apply([Save(contended.key, response, 60, token=contended.token)])
+        messages = []
+        while (message := await pubsub.get_message(timeout=1.0)) is not None:
+            messages.append(message["data"])
+        assert messages == [b"s\x1fwaited"]
+    finally:
+        await pubsub.aclose()
