@@ -267,4 +267,4 @@ async def test_only_a_claim_someone_found_held_publishes_a_wake_up(
             messages.append(message["data"])
         assert messages == [b"s\x1fwaited"]
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
