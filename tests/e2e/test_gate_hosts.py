@@ -24,7 +24,8 @@ import httpx
 import pytest
 from demo_server import DEMO_KEY_PREFIX, DemoLauncher, DemoServer, launch_demos, orders_count
 
-from servers import PostgresServer, running_postgres
+from porch.store.redis.keys import KeyNames
+from servers import PostgresServer, RedisServer, running_postgres, running_redis
 
 pytestmark = [pytest.mark.e2e]
 
@@ -76,7 +77,33 @@ def _pg(url: str, sql: str, *args: Any) -> list[Any]:
     return asyncio.run(run())
 
 
-BACKENDS = [pytest.param("postgres", marks=pytest.mark.postgres)]
+class Redis:
+    """A redis-server of this test's own, AOF synced at every write (the restart legs)."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.url = server.url
+
+    def count(self, client: str = CLIENT) -> int:
+        import redis
+
+        connection = redis.Redis.from_url(self.url, socket_timeout=10)
+        try:
+            # The demo opens its store with the default prefix.
+            value = connection.get(KeyNames("porch").counter(DEMO_KEY_PREFIX + client))
+        finally:
+            connection.close()
+        return int(value) if value is not None else 0
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by redis-server."""
+        return _cpu([self.server.pid])
+
+
+BACKENDS = [
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -84,6 +111,9 @@ def shared(request: pytest.FixtureRequest) -> Iterator[Shared]:
     if request.param == "postgres":
         with running_postgres() as server:
             yield Postgres(server)
+    else:
+        with running_redis(appendonly=True, appendfsync="always") as redis_server:
+            yield Redis(redis_server)
 
 
 @pytest.fixture
@@ -252,11 +282,28 @@ def test_counts_survive_both_hosts_killed(demo: DemoLauncher, shared: Shared) ->
 
 
 @pytest.mark.slow
-@pytest.mark.postgres
+@pytest.mark.redis
+def test_counts_survive_redis_killed_and_restarted_with_aof(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    if not isinstance(shared, Redis):
+        pytest.skip("Redis's own restart leg (AOF, appendfsync always)")
+    a, b = two_hosts(demo, shared, limit=7)
+    assert asyncio.run(_gets([f"{h.base_url}/products" for h in (a, b, a, b, a)])) == [200] * 5
+    shared.server.stop(kill=True)  # kill -9: only what the AOF holds comes back
+    shared.server.start()
+    assert shared.count() == 5
+    for host in (a, b):
+        _served_within(host, 20.0)  # the hosts reconnect by themselves (one hit each)
+    assert shared.count() == 7
+    assert httpx.get(f"{a.base_url}/products", timeout=TIMEOUT).status_code == 429
+
+
+@pytest.mark.slow
 def test_a_stopped_or_frozen_server_is_503_never_a_hang_and_recovers(
     demo: DemoLauncher, shared: Shared
 ) -> None:
-    if not isinstance(shared, Postgres):
+    if not isinstance(shared, Postgres | Redis):
         pytest.skip("a server to stop")
     a, b = two_hosts(demo, shared)
     assert asyncio.run(_gets([f"{a.base_url}/products", f"{b.base_url}/products"])) == [200, 200]
@@ -367,10 +414,12 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
             await asyncio.sleep(1.0)  # all parked now
             pids = _host_pids(a) + _host_pids(b)
             before_hosts = _cpu(pids)
-            before_db = shared.cpu_seconds() if isinstance(shared, Postgres) else 0.0
+            before_db = shared.cpu_seconds() if isinstance(shared, Postgres | Redis) else 0.0
             await asyncio.sleep(2.0)
             used_hosts = _cpu(pids) - before_hosts
-            used_db = (shared.cpu_seconds() - before_db) if isinstance(shared, Postgres) else 0.0
+            used_db = (
+                (shared.cpu_seconds() - before_db) if isinstance(shared, Postgres | Redis) else 0.0
+            )
             # Polling would burn a core; a lease backstop re-claims about once a second.
             assert used_hosts < 0.3, used_hosts
             assert used_db < 0.3, used_db
