@@ -90,7 +90,7 @@ class Redis:
         connection = redis.Redis.from_url(self.url, socket_timeout=10)
         try:
             # The demo opens its store with the default prefix.
-            value = connection.get(KeyNames("porch").counter(DEMO_KEY_PREFIX + client))
+            value: Any = connection.get(KeyNames("porch").counter(DEMO_KEY_PREFIX + client))
         finally:
             connection.close()
         return int(value) if value is not None else 0
