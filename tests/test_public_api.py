@@ -28,6 +28,7 @@ def test_public_surface_is_pinned() -> None:
             "PorchError",
             "PorchMetrics",
             "Quota",
+            "RateLimitExceeded",
             "RateLimitMiddleware",
             "Refusal",
             "RefusalFactory",
@@ -47,6 +48,27 @@ def test_public_surface_is_pinned() -> None:
     )
     for name in porch.__all__:
         assert hasattr(porch, name), name
+
+
+def test_framework_glue_surface_is_pinned() -> None:
+    import porch.fastapi
+    import porch.starlette
+
+    assert sorted(porch.starlette.__all__) == [
+        "RateLimitExceeded",
+        "idempotent",
+        "install",
+        "limit",
+    ]
+    assert sorted(porch.fastapi.__all__) == [
+        "Idempotency",
+        "RateLimit",
+        "RateLimitExceeded",
+        "idempotent",
+        "install",
+        "limit",
+    ]
+    assert issubclass(porch.starlette.RateLimitExceeded, porch.RateLimitExceeded)
 
 
 def test_every_error_says_when_it_is_raised() -> None:

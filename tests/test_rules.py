@@ -170,8 +170,8 @@ async def test_a_taken_name_is_refused_when_the_limiter_is_built(pool: KeyPool) 
     with pytest.raises(ConfigurationError) as info:
         RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/signup", name="auth"))
     assert str(info.value) == (
-        "rule name 'auth' (RateLimitMiddleware rule '/signup') is already used on this pool by"
-        " RateLimitMiddleware rule '/login'; give one of them another name=, or shared=True on"
+        "rule name 'auth' (the rule for '/signup') is already used on this pool by"
+        " the rule for '/login'; give one of them another name=, or shared=True on"
         " both to count them together"
     )
     # The same rule built again (an app built twice, as tests do) is the same policy.
@@ -192,9 +192,7 @@ async def test_shared_rules_count_together(pool: KeyPool, tmp_path: Path) -> Non
         RateLimitMiddleware(
             ok, pool=pool, rules=Rule("9/minute", path="/reset", name="auth", shared=True)
         )
-    assert "is shared with RateLimitMiddleware rule '/login' but its limits differ" in str(
-        info.value
-    )
+    assert "is shared with the rule for '/login' but its limits differ" in str(info.value)
 
 
 async def test_template_rule_counts_per_route(pool: KeyPool, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from .errors import (
     ForwardingHeaderError,
     PoolClosedError,
     PorchError,
+    RateLimitExceeded,
     SaturatedError,
     StoreError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "PorchError",
     "PorchMetrics",
     "Quota",
+    "RateLimitExceeded",
     "RateLimitMiddleware",
     "Refusal",
     "RefusalFactory",

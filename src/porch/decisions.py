@@ -30,11 +30,13 @@ class PolicyState:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """What a refusal factory is told: the client key, violated policies and the retry delay."""
+    """What a refusal factory is told: the client key, violated policies and the retry delay,
+    and the rate-limit headers the refusal is answered with (``Retry-After`` included)."""
 
     key: str
     violated: tuple[PolicyState, ...]
     retry_after: int
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class CompiledRule:
@@ -130,4 +132,4 @@ def decide(
     )
     retry_after = max(p.reset_after for p in violated)
     headers.append((b"retry-after", b"%d" % retry_after))
-    return headers, Refusal(client, violated, retry_after)
+    return headers, Refusal(client, violated, retry_after, tuple(headers))

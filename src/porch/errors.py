@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ConfigurationError",
     "ForwardingHeaderError",
     "PoolClosedError",
     "PorchError",
+    "RateLimitExceeded",
     "SaturatedError",
     "StoreError",
 ]
@@ -22,6 +25,19 @@ class ConfigurationError(PorchError, ValueError):
 
 class ForwardingHeaderError(PorchError):
     """Raised when a forwarding header's trusted entries cannot be read; the request gets 400."""
+
+
+class RateLimitExceeded(PorchError):
+    """Raised when a route-level limit refuses a request and the app handles it (or 429)."""
+
+    def __init__(self, refusal: Any) -> None:
+        # Not super(): in a framework subclass the next class is its HTTPException.
+        Exception.__init__(self, f"rate limit exceeded; retry in {refusal.retry_after} s")
+        self.refusal = refusal
+        # As str pairs, the shape framework responses take (Retry-After, X-RateLimit-*, ...).
+        self.rate_limit_headers: dict[str, str] = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in refusal.headers
+        }
 
 
 class SaturatedError(PorchError):

@@ -125,7 +125,7 @@ class RateLimitMiddleware:
         for r in rules:
             # Now, when the app is built, not at the first request: a name another
             # limiter on this pool uses for other requests would share its counters.
-            pool.namespaces.claim(r.name, r.signature(), f"RateLimitMiddleware rule {r.path!r}")
+            pool.namespaces.claim(r.name, r.signature(), r.describe())
         self.app = app
         self.pool = pool
         self.enabled = enabled

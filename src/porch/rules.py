@@ -188,6 +188,10 @@ class Rule:
             return self.pattern.match(path) is not None
         return path_matches(self.path, path)
 
+    def describe(self) -> str:
+        """Who claimed a namespace, for configuration errors."""
+        return f"the rule for {self.path!r}"
+
     def signature(self) -> tuple[object, ...]:
         """What a namespace means: two rules with one name must agree on it (see Namespaces)."""
         limits = tuple((limit.name, limit.amount, float(limit.window)) for limit in self.limits)

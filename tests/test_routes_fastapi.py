@@ -1,0 +1,167 @@
+"""Per-route limits and idempotency on FastAPI routes (porch.fastapi), in process."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from porch import KeyPool, SQLiteStore
+from porch.fastapi import Idempotency, RateLimit, RateLimitExceeded, idempotent, install, limit
+
+pytestmark = pytest.mark.anyio
+
+PEER = "10.4.4.4"
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path), size=2)
+    await p.start()
+    yield p
+    await p.close()
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=(PEER, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def counters(tmp_path: Path) -> dict[str, int]:
+    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
+        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+
+
+def by_api_key(scope: Any) -> str:
+    value: bytes = dict(scope["headers"]).get(b"x-api-key", b"-")
+    return "key:" + value.decode()
+
+
+def make_app(pool: KeyPool) -> tuple[FastAPI, list[int]]:
+    app = FastAPI()
+    follows: list[int] = []
+
+    @app.post(
+        "/users/{user_id}/follow",
+        dependencies=[Depends(RateLimit("2/minute; 100/day", key=by_api_key))],
+    )
+    async def follow(user_id: int) -> dict[str, int]:
+        follows.append(user_id)
+        return {"followed": user_id}
+
+    @app.post("/orders", status_code=201, dependencies=[Depends(Idempotency())])
+    async def order(body: dict[str, Any]) -> dict[str, Any]:
+        follows.append(-1)
+        return {"order": len(follows), **body}
+
+    @app.post("/payments", status_code=201)
+    @idempotent(required=True)
+    @limit("5/minute")
+    async def pay(request: Request) -> dict[str, str]:
+        return {"paid": "yes"}
+
+    @app.get("/free")
+    async def free() -> dict[str, str]:
+        return {"free": "yes"}
+
+    assert install(app, pool) == 3
+    return app, follows
+
+
+async def test_a_dependency_limits_its_route_per_key_with_headers(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, follows = make_app(pool)
+    async with client(app) as c:
+        alice = [await c.post(f"/users/{i}/follow", headers={"x-api-key": "a"}) for i in (1, 2, 3)]
+        bob = await c.post("/users/1/follow", headers={"x-api-key": "b"})
+        assert (await c.get("/free")).status_code == 200
+        slash = await c.post("/users/1/follow/", headers={"x-api-key": "b"})
+    assert [r.status_code for r in alice] == [200, 200, 429]
+    assert bob.status_code == 200
+    assert follows == [1, 2, 1]
+    assert (
+        alice[0].headers["ratelimit-policy"]
+        == '"2-per-60s";q=2;w=60, "100-per-86400s";q=100;w=86400'
+    )
+    assert alice[2].headers["retry-after"] == "60"
+    assert alice[2].headers["content-type"] == "application/problem+json"
+    assert slash.status_code == 307  # FastAPI's redirect_slashes: not counted
+    prefix = "rl\x1froute:POST:/users/{user_id}/follow\x1f"
+    assert counters(tmp_path) == {
+        prefix + "2-per-60s\x1fkey:a": 2,
+        prefix + "100-per-86400s\x1fkey:a": 2,  # the refused third consumed neither
+        prefix + "2-per-60s\x1fkey:b": 1,
+        prefix + "100-per-86400s\x1fkey:b": 1,
+    }
+
+
+async def test_idempotency_dependency_replays(pool: KeyPool) -> None:
+    app, follows = make_app(pool)
+    async with client(app) as c:
+        first = await c.post("/orders", json={"item": "tea"}, headers={"Idempotency-Key": "o1"})
+        again = await c.post("/orders", json={"item": "tea"}, headers={"Idempotency-Key": "o1"})
+        missing = await c.post("/payments")
+        paid = await c.post("/payments", headers={"Idempotency-Key": "p1"})
+    assert first.status_code == again.status_code == 201
+    assert again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert follows == [-1]
+    assert missing.status_code == 400
+    assert paid.status_code == 201
+    assert paid.headers["x-ratelimit-limit"] == "5"
+
+
+async def test_the_openapi_schema_documents_429_503_and_the_key(pool: KeyPool) -> None:
+    app, _ = make_app(pool)
+    async with client(app) as c:
+        schema = (await c.get("/openapi.json")).json()
+    follow = schema["paths"]["/users/{user_id}/follow"]["post"]
+    assert {"429", "503"} <= set(follow["responses"])
+    assert "Retry-After" in follow["responses"]["429"]["headers"]
+    assert "application/problem+json" in follow["responses"]["429"]["content"]
+    orders = schema["paths"]["/orders"]["post"]
+    [key] = [p for p in orders["parameters"] if p["name"] == "Idempotency-Key"]
+    assert key["in"] == "header"
+    assert "409" in orders["responses"]
+    assert "429" not in orders["responses"]  # no limit declared there
+    payments = schema["paths"]["/payments"]["post"]
+    [key] = [p for p in payments["parameters"] if p["name"] == "Idempotency-Key"]
+    assert key["required"] is True
+    assert {"409", "429", "503"} <= set(payments["responses"])
+    assert "429" not in schema["paths"]["/free"]["get"]["responses"]
+
+
+async def test_an_exception_handler_shapes_the_429(pool: KeyPool) -> None:
+    app, _ = make_app(pool)
+
+    @app.exception_handler(RateLimitExceeded)
+    async def handler(request: Request, exc: RateLimitExceeded) -> JSONResponse:
+        return JSONResponse(
+            {"slow_down": exc.refusal.retry_after}, status_code=429, headers=exc.headers
+        )
+
+    async with client(app) as c:
+        refused = [await c.post("/users/1/follow", headers={"x-api-key": "a"}) for _ in range(3)]
+    assert refused[2].status_code == 429
+    assert refused[2].json() == {"slow_down": 60}
+    assert refused[2].headers["retry-after"] == "60"
+    assert refused[2].headers["x-ratelimit-remaining"] == "0"
+
+
+async def test_a_dependency_on_a_route_never_installed_answers_503(pool: KeyPool) -> None:
+    app = FastAPI()
+
+    @app.get("/late", dependencies=[Depends(RateLimit("1/minute"))])
+    async def late() -> dict[str, str]:
+        return {}
+
+    async with client(app) as c:
+        response = await c.get("/late")
+    assert response.status_code == 503

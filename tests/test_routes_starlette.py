@@ -1,0 +1,297 @@
+"""Per-route limits and idempotency on Starlette routes (porch.starlette), in process."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+
+from porch import ConfigurationError, KeyPool, RateLimitMiddleware, Rule, SQLiteStore
+from porch.starlette import RateLimitExceeded, idempotent, install, limit
+
+pytestmark = pytest.mark.anyio
+
+PEER = "10.3.3.3"
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path), size=2)
+    await p.start()  # the tables exist before any count is read
+    yield p
+    await p.close()
+
+
+def client(app: Any, peer: str = PEER) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def counters(tmp_path: Path) -> dict[str, int]:
+    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
+        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+
+
+def follow_app(pool: KeyPool, **starlette: Any) -> tuple[Starlette, list[str]]:
+    calls: list[str] = []
+
+    @limit("2/minute")
+    async def follow(request: Request) -> Response:
+        calls.append(request.path_params["id"])
+        return PlainTextResponse("followed")
+
+    async def other(request: Request) -> Response:
+        return PlainTextResponse("free")
+
+    app = Starlette(
+        routes=[
+            Route("/users/{id}/follow", follow, methods=["POST"]),
+            Route("/users/{id}", other),
+        ],
+        **starlette,
+    )
+    assert install(app, pool) == 1
+    return app, calls
+
+
+async def test_a_route_template_is_limited_with_headers_and_the_middlewares_body(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, calls = follow_app(pool)
+    async with client(app) as c:
+        responses = [await c.post(f"/users/{i}/follow") for i in (1, 2, 3)]
+        assert (await c.get("/users/1")).status_code == 200  # another route: not counted
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    assert calls == ["1", "2"]
+    assert [r.headers["x-ratelimit-remaining"] for r in responses] == ["1", "0", "0"]
+    assert responses[0].headers["ratelimit-policy"] == '"2-per-60s";q=2;w=60'
+    refused = responses[2]
+    assert refused.headers["retry-after"] == "60"
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert refused.json()["violated"] == [
+        {"policy": "2-per-60s", "limit": 2, "window": 60.0, "reset_after": 60}
+    ]
+    assert counters(tmp_path) == {
+        f"rl\x1froute:POST:/users/{{id}}/follow\x1f2-per-60s\x1f{PEER}": 2
+    }
+
+
+async def test_redirects_404_and_405_are_not_counted(pool: KeyPool, tmp_path: Path) -> None:
+    app, calls = follow_app(pool)  # redirect_slashes is on by default
+    async with client(app) as c:
+        redirected = await c.post("/users/1/follow/", follow_redirects=False)
+        assert redirected.status_code == 307
+        assert redirected.headers["location"].endswith("/users/1/follow")
+        assert (await c.get("/users/1/follow")).status_code == 405
+        assert (await c.post("/nowhere")).status_code == 404
+        assert counters(tmp_path) == {}
+        # Following the redirect: one request reaches the route, one is counted.
+        followed = await c.post("/users/1/follow/", follow_redirects=True)
+    assert followed.status_code == 200
+    assert followed.headers["x-ratelimit-remaining"] == "1"
+    assert calls == ["1"]
+    assert counters(tmp_path) == {
+        f"rl\x1froute:POST:/users/{{id}}/follow\x1f2-per-60s\x1f{PEER}": 1
+    }
+
+
+async def test_route_limits_and_the_app_middleware_share_one_pool_not_counters(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, _ = follow_app(pool)
+    app.add_middleware(RateLimitMiddleware, pool=pool, rules=Rule("100/minute"))
+    async with client(app) as c:
+        for i in range(3):
+            await c.post(f"/users/{i}/follow")
+    assert counters(tmp_path) == {
+        f"rl\x1fdefault\x1f100-per-60s\x1f{PEER}": 3,
+        f"rl\x1froute:POST:/users/{{id}}/follow\x1f2-per-60s\x1f{PEER}": 2,
+    }
+
+
+async def test_the_apps_handler_shapes_the_429(pool: KeyPool) -> None:
+    async def teapot(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RateLimitExceeded)
+        return JSONResponse(
+            {"error": "slow down", "policies": [p.name for p in exc.refusal.violated]},
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    app, _ = follow_app(pool, exception_handlers={RateLimitExceeded: teapot})
+    async with client(app) as c:
+        responses = [await c.post("/users/1/follow") for _ in range(3)]
+    refused = responses[2]
+    assert refused.status_code == 429
+    assert refused.json() == {"error": "slow down", "policies": ["2-per-60s"]}
+    assert refused.headers["retry-after"] == "60"
+    assert refused.headers["x-ratelimit-remaining"] == "0"
+    assert refused.headers["ratelimit"] == '"2-per-60s";r=0;t=60'
+
+
+async def test_a_catch_all_http_handler_keeps_porchs_body_a_429_handler_does_not(
+    pool: KeyPool,
+) -> None:
+    async def generic(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("generic", status_code=418)
+
+    app, _ = follow_app(pool, exception_handlers={HTTPException: generic})
+    async with client(app) as c:
+        statuses = [(await c.post("/users/1/follow")) for _ in range(3)]
+    assert statuses[2].status_code == 429
+    assert statuses[2].headers["content-type"] == "application/problem+json"
+
+    async def by_status(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return PlainTextResponse("by status", status_code=429, headers=exc.headers)
+
+    app2, _ = follow_app(pool, exception_handlers={429: by_status})
+    async with client(app2, peer="10.3.3.4") as c:
+        refused = [(await c.post("/users/1/follow")) for _ in range(3)][2]
+    assert (refused.status_code, refused.text) == (429, "by status")
+    assert refused.headers["retry-after"] == "60"
+
+
+async def test_idempotency_on_a_route_replays_and_runs_once(pool: KeyPool) -> None:
+    orders: list[bytes] = []
+
+    @idempotent()
+    @limit("10/minute")
+    async def create(request: Request) -> Response:
+        orders.append(await request.body())
+        return JSONResponse({"order": len(orders)}, status_code=201)
+
+    app = Starlette(routes=[Route("/orders", create, methods=["POST"])])
+    install(app, pool)
+    async with client(app) as c:
+        first = await c.post("/orders", content=b"tea", headers={"Idempotency-Key": "k1"})
+        again = await c.post("/orders", content=b"tea", headers={"Idempotency-Key": "k1"})
+        other = await c.post("/orders", content=b"cake", headers={"Idempotency-Key": "k1"})
+        unkeyed = await c.post("/orders", content=b"tea")
+    assert (first.status_code, again.status_code, other.status_code) == (201, 201, 422)
+    assert again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert orders == [b"tea", b"tea"]  # the keyed one once, the unkeyed one
+    assert unkeyed.status_code == 201
+    # Replays are counted too: the limit sits outside idempotency.
+    assert unkeyed.headers["x-ratelimit-remaining"] == "6"
+
+
+async def test_required_key_and_a_mount_prefix(pool: KeyPool, tmp_path: Path) -> None:
+    @idempotent(required=True)
+    @limit("5/minute", key=lambda scope: dict(scope["headers"]).get(b"x-api-key", b"").decode())
+    async def pay(request: Request) -> Response:
+        return PlainTextResponse("paid")
+
+    app = Starlette(routes=[Mount("/api", routes=[Route("/pay/{id}", pay, methods=["POST"])])])
+    install(app, pool)
+    async with client(app) as c:
+        missing = await c.post("/api/pay/1", headers={"x-api-key": "alice"})
+        paid = await c.post("/api/pay/1", headers={"x-api-key": "alice", "Idempotency-Key": "p1"})
+    assert missing.status_code == 400
+    assert paid.status_code == 200
+    assert counters(tmp_path) == {"rl\x1froute:POST:/api/pay/{id}\x1f5-per-60s\x1falice": 2}
+
+
+async def test_limits_of_one_route_are_all_or_nothing(pool: KeyPool, tmp_path: Path) -> None:
+    @limit("3/minute")
+    @limit("2/second", name="burst")
+    @limit("1/hour; 5/day", name="slow")
+    async def hello(request: Request) -> Response:
+        return PlainTextResponse("hi")
+
+    # "burst" and "slow" are named apart from the unnamed one: three rules (three layers).
+    app = Starlette(routes=[Route("/hi", hello)])
+    install(app, pool)
+    async with client(app) as c:
+        statuses = [(await c.get("/hi")).status_code for _ in range(3)]
+    assert statuses == [200, 429, 429]
+    rows = counters(tmp_path)
+    # A refusal by the "slow" rule consumed nothing of it; the outer rules counted
+    # each request they passed on (each rule is its own all-or-nothing check).
+    assert rows[f"rl\x1fslow\x1f1-per-3600s\x1f{PEER}"] == 1
+    assert rows[f"rl\x1fslow\x1f5-per-86400s\x1f{PEER}"] == 1
+
+
+async def test_a_name_taken_on_the_pool_fails_at_install(pool: KeyPool) -> None:
+    @limit("5/minute", name="auth")
+    async def login(request: Request) -> Response:
+        return PlainTextResponse("in")
+
+    @limit("5/minute", name="auth")
+    async def signup(request: Request) -> Response:
+        return PlainTextResponse("up")
+
+    app = Starlette(
+        routes=[
+            Route("/login", login, methods=["POST"]),
+            Route("/signup", signup, methods=["POST"]),
+        ]
+    )
+    with pytest.raises(ConfigurationError) as info:
+        install(app, pool)
+    assert str(info.value) == (
+        "rule name 'auth' (the route limit on POST:/signup) is already used on this pool by"
+        " the route limit on POST:/login; give one of them another name=, or shared=True on"
+        " both to count them together"
+    )
+
+
+async def test_shared_route_limits_count_together(pool: KeyPool, tmp_path: Path) -> None:
+    @limit("3/minute", name="auth", shared=True)
+    async def login(request: Request) -> Response:
+        return PlainTextResponse("in")
+
+    @limit("3/minute", name="auth", shared=True)
+    async def signup(request: Request) -> Response:
+        return PlainTextResponse("up")
+
+    app = Starlette(
+        routes=[
+            Route("/login", login, methods=["POST"]),
+            Route("/signup", signup, methods=["POST"]),
+        ]
+    )
+    install(app, pool)
+    async with client(app) as c:
+        statuses = [(await c.post(p)).status_code for p in ("/login", "/signup") * 2]
+    assert statuses == [200, 200, 200, 429]
+    assert counters(tmp_path) == {f"rl\x1fauth\x1f3-per-60s\x1f{PEER}": 3}
+
+
+async def test_a_declared_route_never_installed_answers_503(pool: KeyPool) -> None:
+    @limit("5/minute")
+    async def hello(request: Request) -> Response:
+        return PlainTextResponse("hi")
+
+    app = Starlette(routes=[Route("/hi", hello)])
+    async with client(app) as c:
+        response = await c.get("/hi")
+    assert response.status_code == 503
+    assert response.json()["cause"] == "configuration"
+
+
+async def test_install_opens_and_closes_the_pool_with_the_lifespan(tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    # Its own pool: TestClient runs the app on an event loop of its own (in a thread here).
+    pool = KeyPool(SQLiteStore(tmp_path / "lifespan"), size=2)
+    app, _ = follow_app(pool)
+
+    def serve() -> None:
+        with TestClient(app) as c:
+            assert pool.started
+            assert c.post("/users/1/follow").status_code == 200
+        assert not pool.started
+
+    await anyio.to_thread.run_sync(serve)
