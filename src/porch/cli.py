@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import ConfigurationError
 
@@ -129,7 +130,8 @@ def _demo(args: argparse.Namespace) -> int:
     metrics_dir = None
     if config.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every worker writes its metrics here; GET /metrics on any of them sums them all.
-        metrics_dir = tempfile.mkdtemp(prefix="porch-metrics-")
+        _remove_stale_metrics_dirs()
+        metrics_dir = tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     where = f"orders in {os.path.abspath(config.data_dir)}, store {config.store}"
     if config.store is None:
@@ -156,6 +158,24 @@ def _demo(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+_METRICS_PREFIX = "porch-metrics-"
+
+
+def _remove_stale_metrics_dirs() -> None:
+    """Remove the metrics directories of demos killed before they could (kill -9)."""
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(_METRICS_PREFIX + "*-*"):
+        pid = path.name[len(_METRICS_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its demo is gone
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive (another user's), or unknowable: leave it
+            pass
 
 
 def _redacted(text: str) -> str:

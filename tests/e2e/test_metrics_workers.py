@@ -8,6 +8,7 @@ saw — a per-process registry would report only the scraping worker's share.
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,11 @@ def counted(text: str) -> dict[tuple[str, str], float]:
 
 
 def test_metrics_sum_every_worker(demo: DemoLauncher) -> None:
+    # A killed demo's metrics directory (its pid no longer runs) is removed at the next start.
+    stale = Path(tempfile.gettempdir()) / "porch-metrics-999999999-test"
+    stale.mkdir(exist_ok=True)
     server = demo.start(limit=40, window=300, workers=2)
+    assert not stale.exists()
     statuses: Counter[int] = Counter()
     workers: Counter[str] = Counter()
     with ThreadPoolExecutor(max_workers=8) as pool:
