@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import signal
 import sqlite3
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -34,6 +38,7 @@ from porch import (
     RateLimitMiddleware,
     Rule,
     SQLiteStore,
+    open_store,
 )
 from porch._types import ASGIApp
 
@@ -226,3 +231,58 @@ def test_temporary_store_is_removed_with_the_object() -> None:
     del store
     gc.collect()
     assert not directory.exists()
+
+
+def test_a_forked_child_moves_the_pool(store: SQLiteStore) -> None:
+    """A pool started in a parent (its loop running there) serves a forked child's loop."""
+    pool = KeyPool(store, size=1)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(pool.start(), loop).result(DEADLINE)
+        app, _ = build(pool)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's result is its exit code
+            code = 1
+            try:
+                code = 0 if asyncio.run(asyncio.wait_for(asgi_get(app, 1), 20)) == [200] else 2
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + DEADLINE
+        while (done := os.waitpid(child, os.WNOHANG)) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(child, signal.SIGKILL)
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        asyncio.run_coroutine_threadsafe(pool.close(), loop).result(DEADLINE)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(DEADLINE)
+        loop.close()
+
+
+@pytest.mark.postgres
+def test_testclient_without_with_on_postgres(postgres_url: str) -> None:
+    """A network store follows the pool to each new loop too (its connections reopened)."""
+    schema = f"loops_{uuid.uuid4().hex[:12]}"
+    pool = KeyPool(open_store(postgres_url, schema=schema), size=2)
+    app, runs = build(pool, limit=3)
+    client = TestClient(app)
+    statuses = [within(lambda: client.get("/").status_code) for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    pool = KeyPool(open_store(postgres_url, schema=schema + "_i"), size=2)
+    app, runs = build(pool, limit=100)
+    client = TestClient(app)
+    headers = {"Idempotency-Key": "order-1", "Authorization": "Bearer alice"}
+    first = within(lambda: client.post("/orders", content=b"tea", headers=headers))
+    second = within(lambda: client.post("/orders", content=b"tea", headers=headers))
+    assert first.status_code == 200
+    assert second.content == first.content
+    assert second.headers["idempotent-replayed"] == "true"
+    assert len(runs) == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -185,6 +186,7 @@ class KeyPool:
         "_failed",
         "_lock",
         "_loop",
+        "_pid",
         "_shards",
         "_size",
         "_started",
@@ -216,6 +218,7 @@ class KeyPool:
         self._shards = tuple(Shard(i, mailbox, store, metrics) for i in range(size))
         self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the actors run on
+        self._pid = 0  # the process they run in
         # One start-up lock per loop: an asyncio.Lock binds to the loop it first waits on.
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._failed: tuple[float, StoreError] | None = None
@@ -273,12 +276,14 @@ class KeyPool:
             for shard in self._shards:
                 shard.start()
             self._loop = loop
+            self._pid = os.getpid()
             self._started = True
 
     async def _leave_stopped_loop(self) -> None:
         """The actors' loop is not the running one: abandon them, if that loop has stopped."""
         old = self._loop
-        if old is not None and old.is_running():
+        # A loop copied into a forked child still says it runs; it never will there.
+        if old is not None and old.is_running() and self._pid == os.getpid():
             raise PoolClosedError(
                 "the key pool runs on another event loop that is still running;"
                 " one pool serves one running loop at a time (make a pool per loop)"

@@ -129,6 +129,9 @@ class SQLiteStore:
             )
         loop = asyncio.get_running_loop()
         self._loop = loop
+        # A fresh queue: a stop marker left for a writer thread that is gone (this
+        # process was forked from the one that ran it) must not stop the new one.
+        self._queue = queue.SimpleQueue()
         ready: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(
             target=self._writer, args=(ready,), name=f"porch-sqlite:{self.path.name}", daemon=True
