@@ -661,3 +661,40 @@ async def test_closing_the_pool_fails_callers_parked_on_another_pools_claim(
             await c.aclose()
         for p in pools:
             await p.close()
+
+
+@pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
+async def test_a_watch_that_cannot_start_fails_its_waiters_and_wedges_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = Handler()
+    handler.latency = 0.5
+    stores = [SQLiteStore(tmp_path), SQLiteStore(tmp_path)]
+    pools = [KeyPool(s, size=1) for s in stores]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+        )
+        for p in pools
+    ]
+
+    def no_thread(key: str, wake: Callable[[], None], retry_after: float | None) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
+        await asyncio.sleep(0.1)
+        monkeypatch.setattr(stores[1], "claims", type("Broken", (), {"watch": no_thread})())
+        refused = await clients[1].post("/o", content=b"b", headers=keyed())
+        assert refused.status_code == 503
+        assert parked_waiters(pools[1]) == []  # nothing left behind for the key
+        assert (await owner).status_code == 201
+        monkeypatch.undo()
+        replay = await clients[1].post("/o", content=b"b", headers=keyed())
+        assert replay.headers["idempotent-replayed"] == "true"
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from .errors import PoolClosedError
+from .errors import PoolClosedError, StoreError
 from .pool import Call, Shard
 from .store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
 
@@ -104,7 +104,12 @@ class _InFlight:
             # Held by another process: park (now the first caller waits too) and watch.
             if carrier is not None and carrier.deadline is None and not carrier.future.done():
                 carrier.arm(self)
-            self.cancel = self.shard.store.claims.watch(self.key, self.wake, claim.retry_after)
+            try:
+                self.cancel = self.shard.store.claims.watch(self.key, self.wake, claim.retry_after)
+            except Exception as exc:  # e.g. no thread to spare: fail now, never strand them
+                logger.error("porch: cannot wait for an idempotency key's claim: %s", exc)
+                self.forget()
+                self.close(StoreError(f"cannot wait for the key's claim: {exc}"))
 
     def wake(self) -> None:
         """The watched claim may be free: claim again (a relook), past any mailbox limit."""
