@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -100,8 +101,11 @@ class Backend:
         """How far a server-clock reading may be off an exact figure on a loaded machine."""
         return 1e-9 if self.clock is not None else 0.3
 
-    async def holder(self, key: str, **options: Any) -> Holder:
-        """A separate process that opens this data from a URL and claims ``key``."""
+    async def holder(self, key: str, env: dict[str, str] | None = None, **options: Any) -> Holder:
+        """A separate process that opens this data from a URL and claims ``key`` (``-``: none).
+
+        ``env`` adds to its environment (e.g. libfaketime's, to skew its clock).
+        """
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             str(HOLDER),
@@ -110,6 +114,7 @@ class Backend:
             key,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, **(env or {})},
         )
         holder = Holder(process)
         self.holders.append(holder)

@@ -1,9 +1,11 @@
 """A claim holder in a process of its own: ``holder.py URL OPTIONS_JSON KEY``.
 
 Opens the store with ``porch.open_store(URL, **OPTIONS)``, claims KEY and
-prints the claim as one JSON line. Then, one command per stdin line, answering
-each with one JSON line: ``save TTL BODY`` (store a 201 with BODY, fenced by
-the claim's token), ``release``, ``exit``. The tests kill it (-9) or freeze it
+prints the claim as one JSON line (KEY ``-``: claims nothing). Then, one command
+per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
+201 with BODY, fenced by the claim's token), ``release``, ``hit KEY AMOUNT
+WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``probe-clock``
+(this process's own wall clock), ``exit``. The tests kill it (-9) or freeze it
 (SIGSTOP) in between; while it waits for a command it costs no CPU.
 """
 
@@ -13,9 +15,10 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 import porch
-from porch.store.base import Claim, Release, Save, StoredResponse
+from porch.store.base import Claim, Hit, Release, Save, StoredResponse
 
 
 def say(**fields: object) -> None:
@@ -28,7 +31,8 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
     await store.open()
     try:
         claim = Claim(key)
-        await store.apply([claim])
+        if key != "-":
+            await store.apply([claim])
         say(pid=os.getpid(), token=claim.token, held=claim.held, stored=claim.stored is not None)
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
@@ -43,6 +47,13 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 release = Release(key, claim.token)
                 await store.apply([release])
                 say(released=release.released)
+            elif command == "probe-clock":  # what this process's own clock says
+                say(now=time.time())
+            elif command == "hit":
+                counter, amount, window = rest.split(" ")
+                hit = Hit([counter], [int(amount)], [float(window)])
+                await store.apply([hit])
+                say(allowed=hit.allowed, counts=hit.counts, resets=hit.resets, wall=hit.wall)
             else:  # "exit", or stdin closed
                 break
     finally:

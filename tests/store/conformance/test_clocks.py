@@ -1,0 +1,72 @@
+"""Whose clock counts: a network store decides windows on its server's clock.
+
+Two app hosts whose clocks disagree by hours must still share one window: the
+second "host" here is a process whose wall clock libfaketime moves 2 h ahead or
+behind. SQLite does not run this: its windows are on the host's monotonic clock
+(one host; wall-clock jumps are covered by its unit tests and the gate).
+"""
+
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+
+from porch.store.base import Hit
+
+from .conftest import Backend
+
+pytestmark = pytest.mark.anyio
+
+
+def faketime(offset: str) -> dict[str, str]:
+    """Environment moving a process's wall clock by ``offset`` (its monotonic clock too)."""
+    # Where Debian/Ubuntu (multiarch) and source installs put it; never a recursive
+    # glob over /usr/lib, which takes minutes.
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    found += sorted(glob.glob("/usr/lib/faketime/libfaketime.so.1"))
+    found += sorted(glob.glob("/usr/local/lib/faketime/libfaketime.so.1"))
+    if not found:
+        pytest.skip("libfaketime is not installed")
+    return {"LD_PRELOAD": found[0], "FAKETIME": offset}
+
+
+@pytest.mark.parametrize("offset", ["+2h", "-2h"])
+async def test_hosts_with_skewed_clocks_share_one_window(backend: Backend, offset: str) -> None:
+    if not backend.leases:
+        pytest.skip("SQLite: one host, its monotonic clock (see the module docstring)")
+    skewed = await backend.holder("-", env=faketime(offset))
+    assert abs(float((await skewed.send("probe-clock"))["now"]) - time.time()) > 3000
+    store = await backend.store()
+    window = 1.0
+
+    async def here() -> Hit:
+        hit = Hit(["skew"], [3], [window])
+        await store.apply([hit])
+        return hit
+
+    async def there() -> Hit:
+        answer = await skewed.send(f"hit skew 3 {window}")
+        hit = Hit(["skew"], [3], [window])
+        hit.allowed, hit.counts = answer["allowed"], answer["counts"]
+        hit.resets, hit.wall = answer["resets"], answer["wall"]
+        return hit
+
+    hits = [await here(), await there(), await here(), await there(), await here()]
+    assert [(h.allowed, h.counts) for h in hits] == [
+        (True, [1]),
+        (True, [2]),
+        (True, [3]),
+        (False, [3]),
+        (False, [3]),
+    ]
+    # The skewed host's decisions carry the server's time, and the same window end.
+    for h in hits:
+        assert abs(h.wall - time.time()) < 5.0
+    ends = [h.wall + h.resets[0] for h in hits]
+    assert max(ends) - min(ends) < backend.tolerance
+    await backend.elapse(max(h.resets[0] for h in hits) + 0.2)
+    fresh = await there()
+    assert (fresh.allowed, fresh.counts) == (True, [1])
+    assert (await here()).counts == [2]
