@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import random
 import shutil
 import sqlite3
 import subprocess
@@ -256,3 +257,59 @@ def test_operator_commands_on_postgres(demo: DemoLauncher, pg_databases: tuple[s
     empty = porch_cli("check", "--store", pg_empty)
     assert empty.returncode == 1
     assert "no porch schema here" in empty.stderr
+
+
+# -- and on a Redis store -----------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_operator_commands_on_redis(demo: DemoLauncher, redis_url: str) -> None:
+    pytest.importorskip("redis")
+    # A database of its own (the session's tests use 0), and clients and a key of this
+    # run's own, so nothing another run left there is counted or deleted.
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    net = f"10.{random.randrange(100, 250)}.{random.randrange(250)}"
+    one, two, key = f"{net}.1", f"{net}.2", f"rd-{uuid.uuid4().hex[:8]}"
+    server = demo.start(limit=3, window=2, trust_proxy_hops=1, store=url)
+    store = ["--store", url]
+    for _ in range(4):
+        get(server, one)
+    assert get(server, one).status_code == 429
+    assert get(server, two).status_code == 200
+    with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": key, "X-Forwarded-For": two},
+        )
+    assert created.status_code == 201
+
+    document = inspect(*store)
+    counters = {c["client"]: c for c in document["counters"] if c["client"].startswith(net)}
+    assert counters[one]["count"] == 3
+    assert counters[two]["count"] == 2
+    assert 0 < counters[one]["reset_in"] <= 2
+    [response] = [r for r in document["responses"] if r["key"] == key]
+    assert (response["key"], response["status"], response["scope"]) == (
+        key,
+        201,
+        f"client:{two}",
+    )
+    assert inspect(*store, "--client", one)["responses"] == []
+    healthy = porch_cli("check", *store)
+    assert healthy.returncode == 0, healthy.stderr
+
+    done = porch_cli("reset", *store, "--client", one)
+    assert done.returncode == 0, done.stderr
+    assert "deleted 1 counter" in done.stdout
+    started = time.monotonic()
+    while get(server, one).status_code != 200:
+        assert time.monotonic() - started < 10, "not served again after porch reset"
+        time.sleep(0.1)
+    time.sleep(2.5)  # Redis expires the counters itself
+    assert inspect(*store, "--client", one)["counters"] == []
+    assert inspect(*store, "--client", two)["counters"] == []
+    purged = porch_cli("purge", *store)
+    assert purged.returncode == 0, purged.stderr
+    assert "deleted 0 expired counter(s)" in purged.stdout
+    assert porch_cli("check", *store).returncode == 0

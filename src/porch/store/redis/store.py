@@ -45,6 +45,8 @@ from .scripts import Script, load_scripts
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from .admin import RedisAdmin
+
 __all__ = ["RedisStore"]
 
 logger = logging.getLogger("porch.store")
@@ -225,6 +227,12 @@ class RedisStore:
             await _close_client(self._subscriber)
             self._subscriber = None
         await _close_client(client)
+
+    def admin(self) -> RedisAdmin:
+        """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
+        from .admin import RedisAdmin
+
+        return RedisAdmin(self, f"{_redacted(self.url)} (prefix {self.prefix})")
 
     def statistics(self) -> StoreStatistics:
         pipelines = self._transactions + (self._group.pipelines if self._group else 0)

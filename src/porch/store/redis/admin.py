@@ -1,0 +1,200 @@
+"""The admin protocol on Redis: SCAN over this store's prefix, the server's clock.
+
+Counters and stored responses are Redis keys with expiries, so Redis deletes
+them itself when their time is up: ``purge`` trims what Redis cannot — the
+expired entries of the byte-quota bookkeeping — atomically per caller scope
+(one script), as the store's own saves do. ``check`` pings the server and
+verifies, per scope and for the store, that the kept byte total equals the sum
+of its entries (one script each, so a concurrent save cannot skew it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from ...errors import StoreError
+from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+
+if TYPE_CHECKING:
+    from .store import RedisStore
+
+__all__ = ["RedisAdmin"]
+
+# Trim a scope's expired entries: KEYS zset, sizes; returns how many went.
+_TRIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+local freed = 0
+for i = 1, #gone, 256 do
+  local part = {unpack(gone, i, math.min(i + 255, #gone))}
+  for _, s in ipairs(redis.call('HMGET', KEYS[2], unpack(part))) do
+    if s then freed = freed + tonumber(s) end
+  end
+  redis.call('HDEL', KEYS[2], unpack(part))
+  redis.call('ZREM', KEYS[1], unpack(part))
+end
+if freed > 0 then redis.call('HINCRBY', KEYS[2], '\\0', -freed) end
+return #gone
+"""
+
+# A scope's kept total and the sum of its entries, read atomically.
+_SUMS = """
+local total = tonumber(redis.call('HGET', KEYS[1], '\\0') or '0')
+local sum = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i] ~= '\\0' then sum = sum + tonumber(all[i + 1]) end
+end
+return {total, sum}
+"""
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+class RedisAdmin:
+    """:class:`~porch.store.admin.StoreAdmin` for one Redis store (one prefix)."""
+
+    def __init__(self, store: RedisStore, location: str) -> None:
+        self.store = store
+        self.prefix = store.prefix
+        self.location = location
+        self._client: Any = None
+
+    async def _redis(self) -> Any:
+        if self._client is None:
+            client = self.store._connect(2)
+            try:
+                await client.ping()
+            except Exception as exc:
+                await client.aclose()
+                raise StoreError(f"{self.location}: {exc}") from exc
+            self._client = client
+        return self._client
+
+    def _match(self, kind: str) -> str:
+        return _GLOB.sub(r"\\\1", self.prefix) + f":{kind}:*"
+
+    def _logical(self, name: bytes, kind: str) -> str:
+        text = name.decode("utf-8", "surrogatepass")[len(self.prefix) + len(kind) + 2 :]
+        return text[text.index("}:") + 2 :] if text.startswith("{") and "}:" in text else text
+
+    async def _scan(self, kind: str) -> list[bytes]:
+        client = await self._redis()
+        try:
+            return [name async for name in client.scan_iter(match=self._match(kind), count=1000)]
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+
+    async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
+        redis = await self._redis()
+        chosen: list[tuple[bytes, tuple[str, str, str]]] = []
+        for name in await self._scan("c"):
+            parts = split_counter_key(self._logical(name, "c"))
+            if parts is not None and (client is None or parts[2] == client):
+                chosen.append((name, parts))
+        chosen.sort(key=lambda item: item[0])
+        chosen = chosen[:most]
+        try:
+            async with redis.pipeline(transaction=False) as pipe:
+                for name, _ in chosen:
+                    pipe.get(name)
+                    pipe.pttl(name)
+                values = await pipe.execute()
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        found = []
+        for i, (_, parts) in enumerate(chosen):
+            count, ttl = values[2 * i], values[2 * i + 1]
+            if count is not None and ttl is not None and ttl > 0:
+                found.append(CounterInfo(parts[2], parts[0], parts[1], int(count), ttl / 1000))
+        return found
+
+    async def responses(self, *, client: str | None = None, most: int = 1000) -> list[ResponseInfo]:
+        redis = await self._redis()
+        chosen = []
+        for name in await self._scan("r"):
+            key = self._logical(name, "r")
+            scope, _, bare = key.partition(US)
+            if client is None or scope == f"client:{client}":
+                chosen.append((name, scope, bare))
+        chosen.sort()
+        try:
+            seconds, micros = await redis.time()
+            now = seconds + micros / 1e6
+            async with redis.pipeline(transaction=False) as pipe:
+                for name, _, _ in chosen:
+                    pipe.hget(name, "s")
+                    pipe.pttl(name)
+                    for field in ("d", "h", "b"):
+                        pipe.hstrlen(name, field)
+                values = await pipe.execute()
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        found: list[ResponseInfo] = []
+        for i, (name, scope, bare) in enumerate(chosen):
+            status, ttl, *sizes = values[5 * i : 5 * i + 5]
+            if status is None or ttl is None or ttl <= 0:
+                continue  # a claim without a stored response, or gone
+            size = len(name) + sum(sizes)
+            found.append(ResponseInfo(scope, bare, int(status), size, ttl / 1000, now + ttl / 1000))
+            if len(found) >= most:
+                break
+        return found
+
+    async def reset(self, *, client: str, rule: str | None = None) -> int:
+        redis = await self._redis()
+        doomed = []
+        for name in await self._scan("c"):
+            parts = split_counter_key(self._logical(name, "c"))
+            if parts is not None and parts[2] == client and (rule is None or parts[0] == rule):
+                doomed.append(name)
+        if not doomed:
+            return 0
+        try:
+            return int(await redis.delete(*doomed))
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+
+    def _pairs(self, zsets: list[bytes]) -> list[tuple[bytes, bytes]]:
+        marker = f"{self.prefix}:qz:".encode()
+        sizes = f"{self.prefix}:qb:".encode()
+        return [(z, sizes + z[len(marker) :]) for z in zsets if z.startswith(marker)]
+
+    async def purge(self) -> PurgeReport:
+        redis = await self._redis()
+        trim = redis.register_script(_TRIM)
+        total_zset = self.store.names.total_zset
+        trimmed = 0
+        try:
+            for zset, sizes in self._pairs(await self._scan("qz")):
+                n = int(await trim(keys=[zset, sizes]))
+                if zset != total_zset:
+                    trimmed += n
+        except Exception as exc:
+            raise StoreError(f"{self.location}: {exc}") from exc
+        # Counters and stored responses expire in Redis itself: nothing of theirs is left
+        # to delete; what is reported is the quota bookkeeping of responses gone.
+        return PurgeReport(0, trimmed)
+
+    async def check(self) -> CheckReport:
+        problems: list[str] = []
+        try:
+            redis = await self._redis()
+            sums = redis.register_script(_SUMS)
+            for _, sizes in self._pairs(await self._scan("qz")):
+                total, summed = await sums(keys=[sizes])
+                if int(total) != int(summed):
+                    scope = sizes.decode("utf-8", "replace")
+                    problems.append(f"byte total {total} != {summed} in {scope}")
+        except StoreError as exc:
+            problems.append(str(exc))
+        except Exception as exc:
+            problems.append(f"{self.location}: {exc}")
+        return CheckReport(self.location, 1, 1, tuple(problems))
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
