@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ._asgi import adding_headers
+from ._files import private_directory, private_file, tighten
 from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
@@ -126,7 +127,10 @@ class Orders:
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_directory(self.path.parent)
+            private_file(self.path)  # the shop's orders are nobody else's business either
+            for suffix in ("", "-wal", "-shm"):
+                tighten(self.path.with_name(self.path.name + suffix))
             conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(

@@ -18,7 +18,7 @@ duplicates overlap:
 - ``POST /flaky``: 500 on the first execution for a tag, 201 afterwards.
 - ``POST /always-fails``: always 500.
 - ``POST /raises``: always raises (Starlette's error middleware answers 500).
-- ``POST /ok``: always 201.
+- ``POST /ok``: always 201; ``?pad=N`` (at most 1 MiB) adds N bytes to the response.
 - ``GET /health``: 200 (not keyed).
 """
 
@@ -41,6 +41,7 @@ from porch import IdempotencyMiddleware, IdempotencyRule, KeyPool, SQLiteStore
 DATA_ENV = "PORCH_FLAKY_DATA"
 EXECUTIONS_FILE = "executions.sqlite3"
 MAX_LATENCY = 10.0
+MAX_PAD = 1 << 20
 
 
 class HandlerFailure(RuntimeError):
@@ -123,7 +124,11 @@ def create_app() -> Starlette:
     async def ok(request: Request) -> JSONResponse:
         tag, execution = await record(request, "ok")
         await _latency(request)
-        return JSONResponse({"tag": tag, "execution": execution}, status_code=201)
+        pad = min(int(request.query_params.get("pad", "0")), MAX_PAD)
+        document: dict[str, object] = {"tag": tag, "execution": execution}
+        if pad > 0:
+            document["pad"] = "x" * pad
+        return JSONResponse(document, status_code=201)
 
     app = Starlette(
         routes=[

@@ -17,9 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 from demo_server import DemoLauncher, DemoServer, launch_demos, orders_count
+from test_gate_idempotency import FlakyServer
 
 pytestmark = [pytest.mark.e2e]
 
+MIB = 1 << 20
 ALICE = "127.0.0.1"
 BOB = "127.0.0.2"
 
@@ -140,3 +142,73 @@ def test_a_client_at_429_flooding_does_not_turn_others_away(demo: DemoLauncher) 
     counters = server.counters()
     assert counters[ALICE].count == 20
     assert counters[BOB].count == 15
+
+
+def porch_bytes(data_dir: Path) -> int:
+    """The size of porch's own files in a data directory (not the app's)."""
+    return sum(p.stat().st_size for p in data_dir.iterdir() if p.name.startswith("porch.sqlite3"))
+
+
+def test_one_client_cannot_grow_the_store_past_its_quota(
+    demo: DemoLauncher, tmp_path: Path
+) -> None:
+    # Catches: no cap on stored response bytes per caller (finding 3). The outside
+    # check, as worded: 400 keyed demo orders with 64 KiB items from one client grow
+    # porch's files by at most 16 MiB. (The demo refuses items over 200 characters
+    # with a small 422, which is stored; the app below answers 64 KiB for real.)
+    server = demo.start(limit=1000, window=600)
+    with http(server) as c:
+        assert c.get("/products").status_code == 200
+        before = porch_bytes(server.data_dir)
+        item = "x" * (64 * 1024)
+        for i in range(400):
+            r = c.post("/orders", content=order(item), headers=keyed(f"big-{i}"))
+            assert r.status_code < 500, r.text[:200]
+    growth = porch_bytes(server.data_dir) - before
+    assert growth <= 16 * MIB, f"porch's files grew by {growth / MIB:.1f} MiB"
+
+    # A real uvicorn app behind porch with the default Quota (8 MiB per caller) whose
+    # handler answers 64 KiB: 400 keyed requests, 25 MiB of responses, every one a 201.
+    (tmp_path / "flaky").mkdir()
+    app = FlakyServer(tmp_path / "flaky")
+    app.start()
+    try:
+        with httpx.Client(base_url=app.base_url, timeout=30.0) as c:
+            before = porch_bytes(app.data_dir)
+            sent = 0
+            for i in range(400):
+                r = c.post(
+                    "/ok?pad=65536",
+                    content=json.dumps({"tag": f"t{i}"}).encode(),
+                    headers=keyed(f"big-{i}"),
+                )
+                assert r.status_code == 201, r.text[:200]
+                sent += len(r.content)
+            replay = c.post(
+                "/ok?pad=65536", content=json.dumps({"tag": "t0"}).encode(), headers=keyed("big-0")
+            )
+            over = c.post(
+                "/ok?pad=65536",
+                content=json.dumps({"tag": "t399"}).encode(),
+                headers=keyed("big-399"),
+            )
+        assert sent >= 25 * MIB
+        assert replay.headers["idempotent-replayed"] == "true"  # the first ones were stored
+        assert "idempotent-replayed" not in over.headers  # the last ones were over the quota
+        growth = porch_bytes(app.data_dir) - before
+        print(f"porch's files grew by {growth / MIB:.1f} MiB for {sent / MIB:.1f} MiB sent")
+        assert growth <= 16 * MIB, f"porch's files grew by {growth / MIB:.1f} MiB"
+    finally:
+        app.stop()
+
+
+def test_porchs_files_are_not_readable_by_other_users(demo: DemoLauncher) -> None:
+    # Catches: the store (client addresses, response bodies) and its WAL created 0644
+    # (finding 10). The data directory porch creates is 0700.
+    server = demo.start(limit=10, window=60)
+    with http(server) as c:
+        assert c.post("/orders", content=order("tea"), headers=keyed("k")).status_code == 201
+    files = list(server.data_dir.iterdir())
+    assert {"porch.sqlite3", "porch.sqlite3-wal", "orders.sqlite3"} <= {p.name for p in files}
+    for path in [server.data_dir, *files]:
+        assert path.stat().st_mode & 0o077 == 0, (path.name, oct(path.stat().st_mode))

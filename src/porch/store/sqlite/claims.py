@@ -35,6 +35,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..._files import private_file
+
 __all__ = ["KeyLocks", "SQLiteClaims", "ofd_locks_available"]
 
 logger = logging.getLogger("porch.store")
@@ -92,6 +94,7 @@ class KeyLocks:
         # parent: open our own in each process.
         pid = os.getpid()
         if self._pid != pid:
+            private_file(self.path)  # 0600 whatever the umask
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._pid = pid
         return self._fd

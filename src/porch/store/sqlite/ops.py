@@ -19,7 +19,7 @@ from typing import Any
 from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 
-__all__ = ["apply_batch", "stored_size"]
+__all__ = ["apply_batch", "prune_expired", "stored_size"]
 
 _UPSERT_COUNTER = (
     "INSERT INTO counters (key, count, window_start, expires, wall_start) VALUES (?, ?, ?, ?, ?)"
@@ -84,11 +84,18 @@ def apply_batch(
             _apply_reads(conn, reads, now, claims)
         if writes:
             _apply_writes(conn, writes, now, wall, claims)
-    if writes:
-        conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
+    # Every transaction, not only saves: a store that only answers lookups and hits
+    # must still give back what expired. Bounded, and an index probe when nothing did.
+    conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
     if hits:
         created = _apply_hits(conn, hits, now, wall)
         conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
+
+
+def prune_expired(conn: sqlite3.Connection, now: float, rows: int) -> int:
+    """Delete up to ``rows`` expired responses and as many expired counters; how many went."""
+    gone = conn.execute(_PRUNE_RESPONSES, (now, rows)).rowcount
+    return int(gone + conn.execute(_PRUNE_COUNTERS, (now, rows)).rowcount)
 
 
 def _apply_reads(

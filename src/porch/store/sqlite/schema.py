@@ -14,6 +14,7 @@ from ...errors import StoreError
 __all__ = [
     "SCHEMA_VERSION",
     "check_not_foreign",
+    "enable_incremental_vacuum",
     "migrate",
     "rebase_after_reboot",
     "statements",
@@ -135,6 +136,26 @@ def migrate(conn: sqlite3.Connection) -> int:
     if version != SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return int(version)
+
+
+def enable_incremental_vacuum(conn: sqlite3.Connection) -> bool:
+    """Switch the file to ``auto_vacuum = INCREMENTAL``, so pruned pages can be given back.
+
+    Outside any transaction, before the journal mode is set: a new (empty) file
+    takes the setting as it is created. An existing file takes it only through
+    one ``VACUUM`` (a rewrite of the whole file, needing as much free disk as the
+    file's size), run here once; if that fails (disk full, busy) the file keeps
+    working and the switch is tried at the next open. Returns whether it vacuumed.
+    """
+    (mode,) = conn.execute("PRAGMA auto_vacuum").fetchone()
+    if mode == 2:
+        return False
+    (pages,) = conn.execute("PRAGMA page_count").fetchone()
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    if pages == 0:
+        return False
+    conn.execute("VACUUM")
+    return True
 
 
 def statements(script: str) -> list[str]:

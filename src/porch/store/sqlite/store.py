@@ -25,13 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._files import private_directory, private_file, tighten
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ...eventlog import EventLog
 from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
 from .ops import apply_batch
-from .schema import check_not_foreign, migrate, rebase_after_reboot
+from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
+from .upkeep import FREE_PAGES, UPKEEP_PAGES, WAL_LIMIT, FairBatches, give_back, upkeep
 
 if TYPE_CHECKING:
     from .admin import SQLiteAdmin
@@ -74,6 +76,7 @@ class SQLiteStore:
         durability: Durability = "process",
         busy_timeout: float = 5.0,
         prune_batch: int = 64,
+        upkeep_after: float = 1.0,
         clock: Clock | None = None,
     ) -> None:
         if durability not in ("process", "power"):
@@ -82,12 +85,16 @@ class SQLiteStore:
             raise ConfigurationError(f"busy_timeout must be >= 0 seconds, got {busy_timeout}")
         if prune_batch < 1:
             raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
+        if not upkeep_after > 0:
+            raise ConfigurationError(f"upkeep_after must be > 0 seconds, got {upkeep_after}")
         if not filename or os.sep in filename:
             raise ConfigurationError(f"filename must be a bare file name, got {filename!r}")
         self.path = Path(directory) / filename
         self.durability: Durability = durability
         self.busy_timeout = busy_timeout
         self.prune_batch = prune_batch
+        # Idle this long, the writer prunes expired responses and gives pages back.
+        self.upkeep_after = float(upkeep_after)
         self.clock: Clock = clock if clock is not None else SystemClock()
         # Used only from the writer thread.
         self._log = EventLog(logger)
@@ -172,7 +179,10 @@ class SQLiteStore:
     # -- the writer thread -----------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Client addresses and response bodies: owner-only, whatever the umask. The WAL
+        # and shared-memory files SQLite creates take the database file's mode.
+        private_directory(self.path.parent)
+        private_file(self.path)
         # Several worker processes start at once on one file: switching a new file
         # to WAL answers "locked" without waiting, so the opening is retried (with
         # a short sleep: this is start-up, in the writer thread) for busy_timeout.
@@ -183,6 +193,9 @@ class SQLiteStore:
             )
             try:
                 self._prepare(conn)
+                # Known to be porch's file now: an earlier version created it 0644.
+                for suffix in ("", "-wal", "-shm"):
+                    tighten(self.path.with_name(self.path.name + suffix))
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
@@ -198,8 +211,17 @@ class SQLiteStore:
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-        check_not_foreign(conn)
+        check_not_foreign(conn)  # before anything could rewrite someone else's file
+        try:
+            if enable_incremental_vacuum(conn):
+                logger.info("porch: %s switched to incremental vacuum (one VACUUM)", self.path)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise  # another worker is opening the file: retried by _connect
+            logger.warning("porch: cannot switch %s to incremental vacuum: %s", self.path, exc)
         conn.execute("PRAGMA journal_mode = WAL")
+        # A checkpointed WAL is cut back to this size instead of keeping its peak.
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -225,55 +247,94 @@ class SQLiteStore:
             _call_soon(loop, _settle, ready, failed)
             return
         _call_soon(loop, _settle, ready, None)
-        get = self._queue.get
-        get_nowait = self._queue.get_nowait
-        stopping = False
         try:
-            while not stopping:
-                job = get()
-                if job is None:
-                    break
-                jobs = [job]
-                # Group commit: everything queued by now joins this transaction.
-                while True:
-                    try:
-                        more = get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stopping = True
-                        break
-                    jobs.append(more)
-                error: BaseException | None = None
-                try:
-                    self._transaction(conn, [op for ops, _ in jobs for op in ops])
-                except Exception as exc:
-                    self._failures += 1
-                    # Throttled (once a second, with a count): a full disk fails every batch.
-                    self._log.event(
-                        logging.ERROR,
-                        "transaction",
-                        self.clock.monotonic(),
-                        1.0,
-                        "porch: SQLite transaction failed on %s: %s",
-                        self.path,
-                        exc,
-                        cause="store",
-                        store=str(self.path),
-                    )
-                    error = (
-                        exc
-                        if isinstance(exc, StoreError)
-                        else StoreError(f"SQLite store {self.path}: {exc}")
-                    )
-                first = jobs[0][1].get_loop()
-                if all(f.get_loop() is first for _, f in jobs):
-                    _call_soon(first, _settle_all, [f for _, f in jobs], error)
-                else:
-                    for _, f in jobs:
-                        _call_soon(f.get_loop(), _settle, f, error)
+            self._serve(conn)
         finally:
             conn.close()
+
+    def _serve(self, conn: sqlite3.Connection) -> None:
+        """Group commits until close(); upkeep when idle (see :mod:`.upkeep`)."""
+        get = self._queue.get
+        get_nowait = self._queue.get_nowait
+        fair: FairBatches[_Job] = FairBatches(lambda job: job[0])
+        stopping = False
+        idle_work = True  # after a batch, the next idle moment runs an upkeep
+        while True:
+            arrived: list[_Job] = []
+            if not fair and not stopping:
+                try:
+                    job = get(timeout=self.upkeep_after) if idle_work else get()
+                except queue.Empty:
+                    idle_work = self._upkeep(conn)
+                    continue
+                if job is None:
+                    stopping = True
+                else:
+                    arrived.append(job)
+                    idle_work = True
+            # Group commit: everything queued by now joins this transaction (big saves
+            # beyond the cap wait for the next one).
+            while not stopping:
+                try:
+                    more = get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                else:
+                    arrived.append(more)
+            jobs = fair.next_transaction(arrived)
+            if jobs:
+                self._run(conn, jobs)
+            if stopping and not fair:
+                return
+
+    def _run(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
+        error: BaseException | None = None
+        try:
+            self._transaction(conn, [op for ops, _ in jobs for op in ops])
+        except Exception as exc:
+            self._failures += 1
+            # Throttled (once a second, with a count): a full disk fails every batch.
+            self._log.event(
+                logging.ERROR,
+                "transaction",
+                self.clock.monotonic(),
+                1.0,
+                "porch: SQLite transaction failed on %s: %s",
+                self.path,
+                exc,
+                cause="store",
+                store=str(self.path),
+            )
+            error = (
+                exc
+                if isinstance(exc, StoreError)
+                else StoreError(f"SQLite store {self.path}: {exc}")
+            )
+        first = jobs[0][1].get_loop()
+        if all(f.get_loop() is first for _, f in jobs):
+            _call_soon(first, _settle_all, [f for _, f in jobs], error)
+        else:
+            for _, f in jobs:
+                _call_soon(f.get_loop(), _settle, f, error)
+
+    def _upkeep(self, conn: sqlite3.Connection) -> bool:
+        try:
+            return upkeep(conn, self.clock.monotonic)
+        except sqlite3.Error as exc:
+            self._log.event(
+                logging.WARNING,
+                "upkeep",
+                self.clock.monotonic(),
+                60.0,
+                "porch: idle upkeep of %s failed: %s",
+                self.path,
+                exc,
+                cause="store",
+                store=str(self.path),
+            )
+            return True
 
     def _transaction(self, conn: sqlite3.Connection, ops: list[StoreOp]) -> None:
         claims = self._claims
@@ -284,6 +345,10 @@ class SQLiteStore:
             now = self.clock.monotonic()
             wall = self.clock.wall()
             apply_batch(conn, ops, now, wall, self.prune_batch, claims)
+            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+            if free > FREE_PAGES:
+                # A busy store is never idle: give back a little at a time.
+                give_back(conn, UPKEEP_PAGES // 4)
             conn.execute("COMMIT")
         except BaseException:
             try:

@@ -1,0 +1,171 @@
+"""The SQLite store's footprint (issue 12): owner-only files, expired responses reclaimed
+without new saves, space given back, and big saves never holding up small batches."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from porch.clock import ManualClock
+from porch.store.base import Hit, Lookup, Save, StoredResponse
+from porch.store.sqlite import SQLiteStore
+from porch.store.sqlite.schema import migrate
+
+pytestmark = pytest.mark.anyio
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(monotonic=1000.0, wall=1_700_000_000.0, boot_id="boot-a")
+
+
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    old = os.umask(0o022)  # the usual default: files 0644, directories 0755
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def response(size: int) -> StoredResponse:
+    return StoredResponse(b"d" * 32, 201, ((b"content-type", b"text/plain"),), b"x" * size)
+
+
+def file_pages(path: Path) -> tuple[int, int]:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        (pages,) = conn.execute("PRAGMA page_count").fetchone()
+        (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+    return int(pages), int(free)
+
+
+def count_responses(path: Path) -> int:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        (n,) = conn.execute("SELECT COUNT(*) FROM responses").fetchone()
+    return int(n)
+
+
+@pytest.mark.usefixtures("loose_umask")
+async def test_store_files_and_directory_are_owner_only(tmp_path: Path) -> None:
+    data = tmp_path / "new" / "data"
+    store = SQLiteStore(data)
+    await store.open()
+    try:
+        # A claim creates the lock file; a save makes sure the WAL and its index exist.
+        await store.apply([Save("s\x1fk", response(10), 60.0)])
+        await store.apply([Hit(["k"], [1], [60.0])])
+        files = sorted(p.name for p in data.iterdir())
+        assert {"porch.sqlite3", "porch.sqlite3-wal", "porch.sqlite3-shm"} <= set(files)
+        for path in data.iterdir():
+            assert mode(path) == 0o600, (path.name, oct(mode(path)))
+        assert mode(data) == 0o700
+    finally:
+        await store.close()
+
+
+@pytest.mark.usefixtures("loose_umask")
+async def test_existing_world_readable_files_are_tightened(tmp_path: Path) -> None:
+    db = tmp_path / "porch.sqlite3"
+    conn = sqlite3.connect(db, isolation_level=None)
+    migrate(conn)
+    conn.close()
+    os.chmod(db, 0o644)
+    os.chmod(tmp_path, 0o755)
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    await store.apply([Hit(["k"], [1], [60.0])])
+    await store.close()
+    assert mode(db) == 0o600
+    assert mode(tmp_path) == 0o755  # a directory porch did not create is the operator's
+
+
+async def test_an_existing_file_is_switched_to_incremental_vacuum(tmp_path: Path) -> None:
+    db = tmp_path / "porch.sqlite3"
+    conn = sqlite3.connect(db, isolation_level=None)
+    migrate(conn)  # a file as an earlier porch made it: auto_vacuum off
+    (before,) = conn.execute("PRAGMA auto_vacuum").fetchone()
+    conn.close()
+    assert before == 0
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    await store.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA auto_vacuum").fetchone() == (2,)
+    conn.close()
+
+
+async def test_expired_responses_are_reclaimed_without_new_saves(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    store = SQLiteStore(tmp_path, clock=clock, upkeep_after=0.05)
+    await store.open()
+    try:
+        for i in range(4):
+            await store.apply([Save(f"s\x1f{i}-{j}", response(64 * 1024), 10.0) for j in range(25)])
+        full_pages, _ = file_pages(store.path)
+        assert count_responses(store.path) == 100
+        clock.advance(11)
+        # Nothing is saved or looked up: the idle writer prunes and gives the pages back.
+        for _ in range(200):
+            if count_responses(store.path) == 0 and file_pages(store.path)[1] == 0:
+                break
+            await asyncio.sleep(0.05)
+        pages, free = file_pages(store.path)
+        assert count_responses(store.path) == 0
+        assert pages < full_pages // 4, (pages, full_pages)
+        assert free == 0
+    finally:
+        await store.close()
+
+
+async def test_lookups_alone_prune_expired_responses(tmp_path: Path, clock: ManualClock) -> None:
+    # upkeep_after is long: only the transactions of lookups and hits can prune here.
+    store = SQLiteStore(tmp_path, clock=clock, upkeep_after=3600)
+    await store.open()
+    try:
+        await store.apply([Save(f"s\x1f{i}", response(1000), 10.0) for i in range(50)])
+        clock.advance(11)
+        await store.apply([Lookup("s\x1fother")])
+        await store.apply([Hit(["k"], [1], [60.0])])
+        assert count_responses(store.path) == 0
+    finally:
+        await store.close()
+
+
+async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        done: list[str] = []
+
+        async def apply(name: str, ops: list[Hit | Save]) -> None:
+            await store.apply(ops)
+            done.append(name)
+
+        # Twenty 1 MiB saves queued at once, then a decision: it goes in the next
+        # transaction, not after twenty megabytes.
+        big = [
+            asyncio.create_task(apply(f"big{i}", [Save(f"s\x1f{i}", response(MIB), 60.0)]))
+            for i in range(20)
+        ]
+        await asyncio.sleep(0)
+        small = asyncio.create_task(apply("hit", [Hit(["k"], [5], [60.0])]))
+        await asyncio.gather(small, *big)
+        assert done.index("hit") <= 2, done
+        # The megabyte saves took one transaction each (1 MiB per group commit).
+        assert store.statistics().transactions >= 20
+        assert count_responses(store.path) == 20
+    finally:
+        await store.close()
