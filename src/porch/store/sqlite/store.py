@@ -42,6 +42,9 @@ __all__ = ["SQLiteStore"]
 
 logger = logging.getLogger("porch.store")
 
+# How long close() at interpreter exit waits for the writer to finish its last batch.
+_EXIT_JOIN = 10.0
+
 _Job = tuple[Sequence[StoreOp], "asyncio.Future[None]"]
 
 
@@ -156,7 +159,13 @@ class SQLiteStore:
             return
         self._thread = None
         self._queue.put(None)
-        await asyncio.to_thread(thread.join)
+        try:
+            await asyncio.to_thread(thread.join)
+        except RuntimeError:
+            # At interpreter exit (an atexit handler closing the pool) the default executor
+            # takes no more work: wait here, so the writer still closes its connection
+            # (and SQLite removes the WAL) before the process ends.
+            thread.join(timeout=_EXIT_JOIN)
         self._claims.close()  # drops every claim this process still holds
 
     def admin(self) -> SQLiteAdmin:
