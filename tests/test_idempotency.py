@@ -698,3 +698,39 @@ async def test_a_watch_that_cannot_start_fails_its_waiters_and_wedges_nothing(
             await c.aclose()
         for p in pools:
             await p.close()
+
+
+@pytest.mark.parametrize("ofd", [True, False], ids=["ofd-locks", "no-ofd-locks"])
+async def test_two_pools_sharing_one_store_object_run_a_key_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ofd: bool
+) -> None:
+    # One store object claims for both pools: the second pool finds the key held
+    # (by this very process) and waits — through a watch thread on its own
+    # descriptor with OFD locks, through the store's own wake-up without them.
+    if ofd and not ofd_locks_available():
+        pytest.skip("needs Linux OFD locks")
+    if not ofd:
+        monkeypatch.setattr("porch.store.sqlite.claims.ofd_locks_available", lambda: False)
+    handler = Handler()
+    handler.latency = 0.3
+    store = SQLiteStore(tmp_path)
+    pools = [KeyPool(store, size=1), KeyPool(store, size=1)]
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+        )
+        for p in pools
+    ]
+    try:
+        responses = await asyncio.gather(
+            *(clients[i % 2].post("/o", content=b"b", headers=keyed()) for i in range(6))
+        )
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
+    assert handler.calls == 1
+    assert {r.status_code for r in responses} == {201}
+    assert {r.content for r in responses} == {b"call 1"}
