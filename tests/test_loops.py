@@ -286,3 +286,24 @@ def test_testclient_without_with_on_postgres(postgres_url: str) -> None:
     assert second.content == first.content
     assert second.headers["idempotent-replayed"] == "true"
     assert len(runs) == 1
+
+
+@pytest.mark.redis
+def test_testclient_without_with_on_redis(redis_url: str) -> None:
+    """The Redis store follows the pool to each new loop too (its clients reopened)."""
+    prefix = f"loops-{uuid.uuid4().hex[:12]}"
+    pool = KeyPool(open_store(redis_url, prefix=prefix), size=2)
+    app, _ = build(pool, limit=3)
+    client = TestClient(app)
+    statuses = [within(lambda: client.get("/").status_code) for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    pool = KeyPool(open_store(redis_url, prefix=prefix + "-i"), size=2)
+    app, runs = build(pool, limit=100)
+    client = TestClient(app)
+    headers = {"Idempotency-Key": "order-1", "Authorization": "Bearer alice"}
+    first = within(lambda: client.post("/orders", content=b"tea", headers=headers))
+    second = within(lambda: client.post("/orders", content=b"tea", headers=headers))
+    assert first.status_code == 200
+    assert second.content == first.content
+    assert second.headers["idempotent-replayed"] == "true"
+    assert len(runs) == 1
