@@ -3,9 +3,9 @@
 ``backend`` is parametrised over ``sqlite`` / ``postgres`` / ``redis`` (each
 with its marker, so ``-m redis`` runs one engine). SQLite gets a temp dir and
 a :class:`ManualClock`; PostgreSQL a schema of its own on the session server;
-Redis a key prefix of its own. A backend whose store module does not exist yet
-is skipped; one whose server cannot be started skips or fails as
-``tests/servers.py`` decides (PORCH_REQUIRE_BACKENDS).
+Redis a key prefix of its own. A backend whose store module is missing, or
+whose server cannot be started, skips or fails as ``tests/servers.py`` decides
+(it fails when PORCH_REQUIRE_BACKENDS names it).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 from porch.clock import ManualClock, SystemClock
 from porch.pool import KeyPool
 from porch.store.base import Store
+from servers import missing_backend
 
 _MODULES = {
     "sqlite": ("porch.store.sqlite", "SQLiteStore"),
@@ -204,7 +205,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     name: str = request.param
     module_name, class_name = _MODULES[name]
     if importlib.util.find_spec(module_name) is None:
-        pytest.skip(f"{module_name} does not exist yet")
+        missing_backend(name, f"{module_name} does not exist")
     factory = getattr(importlib.import_module(module_name), class_name)
     tag = uuid.uuid4().hex[:12]
     backend: Backend
