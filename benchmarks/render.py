@@ -65,6 +65,8 @@ def peer_lines(report: dict[str, Any]) -> list[str]:
         ("limiter", "slowapi-memory"),
         ("limiter-power", "slowapi-redis"),
         ("limiter-power", "slowapi-redis-fsync"),
+        ("limiter-redis", "slowapi-redis"),
+        ("limiter-redis-fsync", "slowapi-redis-fsync"),
         ("idem-first", "peer-idem-first"),
         ("idem-replay", "peer-idem-replay"),
     ):
@@ -98,6 +100,21 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
         ratio("limiter-power", "slowapi-redis"),
         4.0,
     )
+    # The Redis rows: slowapi on the same Redis server settings (appendfsync).
+    for suffix, setting in (("", "everysec"), ("-fsync", "always")):
+        check(
+            f"limiter on Redis ({setting}) ≥ 3× slowapi on Redis ({setting})",
+            ratio(f"limiter-redis{suffix}", f"slowapi-redis{suffix}"),
+            3.0,
+        )
+        check(f"limiter on Redis ({setting}) ≥ 0.45× bare", vs_bare(f"limiter-redis{suffix}"), 0.45)
+        if f"limiter-redis{suffix}" in by:
+            check(
+                f"limiter on Redis ({setting}): pipelines per request at 64 connections ≤ 0.1",
+                by[f"limiter-redis{suffix}"]["txn_per_request"],
+                0.1,
+                at_most=True,
+            )
     check("idempotent replays ≥ 0.90× bare POST", vs_bare("idem-replay"), 0.90)
     check("keyed first executions ≥ 0.60× bare POST", vs_bare("idem-first"), 0.60)
     if "limiter" in by:
