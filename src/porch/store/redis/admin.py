@@ -64,7 +64,7 @@ class RedisAdmin:
 
     async def _redis(self) -> Any:
         if self._client is None:
-            client = self.store._connect(2)
+            client: Any = self.store._connect(2)  # redis-py 7 types ping() as a union
             try:
                 await client.ping()
             except Exception as exc:
