@@ -60,6 +60,10 @@ def make_app(pool: KeyPool) -> tuple[FastAPI, list[int]]:
         follows.append(-1)
         return {"order": len(follows), **body}
 
+    @app.post("/refunds", dependencies=[Depends(Idempotency(required=True))])
+    async def refund() -> dict[str, str]:
+        return {"refunded": "yes"}
+
     @app.post("/payments", status_code=201)
     @idempotent(required=True)
     @limit("5/minute")
@@ -70,7 +74,7 @@ def make_app(pool: KeyPool) -> tuple[FastAPI, list[int]]:
     async def free() -> dict[str, str]:
         return {"free": "yes"}
 
-    assert install(app, pool) == 3
+    assert install(app, pool) == 4
     return app, follows
 
 
@@ -109,6 +113,9 @@ async def test_idempotency_dependency_replays(pool: KeyPool) -> None:
         again = await c.post("/orders", json={"item": "tea"}, headers={"Idempotency-Key": "o1"})
         missing = await c.post("/payments")
         paid = await c.post("/payments", headers={"Idempotency-Key": "p1"})
+        # porch answers first (400, its problem body), not FastAPI's 422.
+        unkeyed_refund = await c.post("/refunds")
+        refunded = await c.post("/refunds", headers={"Idempotency-Key": "r1"})
     assert first.status_code == again.status_code == 201
     assert again.content == first.content
     assert again.headers["idempotent-replayed"] == "true"
@@ -116,6 +123,9 @@ async def test_idempotency_dependency_replays(pool: KeyPool) -> None:
     assert missing.status_code == 400
     assert paid.status_code == 201
     assert paid.headers["x-ratelimit-limit"] == "5"
+    assert unkeyed_refund.status_code == 400
+    assert unkeyed_refund.headers["content-type"] == "application/problem+json"
+    assert refunded.status_code == 200
 
 
 async def test_the_openapi_schema_documents_429_503_and_the_key(pool: KeyPool) -> None:
@@ -136,6 +146,10 @@ async def test_the_openapi_schema_documents_429_503_and_the_key(pool: KeyPool) -
     assert key["required"] is True
     assert {"409", "429", "503"} <= set(payments["responses"])
     assert "429" not in schema["paths"]["/free"]["get"]["responses"]
+    [key] = schema["paths"]["/refunds"]["post"]["parameters"]
+    assert (key["name"], key["required"]) == ("Idempotency-Key", True)
+    assert key["required"] is True
+    assert [p["required"] for p in orders["parameters"]] == [False]
 
 
 async def test_an_exception_handler_shapes_the_429(pool: KeyPool) -> None:

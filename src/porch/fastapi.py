@@ -20,7 +20,7 @@ than let the request through unlimited. The decorators of
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from .routes import INSTALLED, RouteIdempotency, RouteLimit
 from .starlette import RateLimitExceeded, idempotent, install, limit
@@ -58,10 +58,16 @@ class RateLimit(RouteLimit):
 
 class Idempotency(RouteIdempotency):
     """``Idempotency-Key`` honoured on a route, as a dependency: ``Depends(Idempotency())``.
-    The arguments are :func:`porch.starlette.idempotent`'s; the header is in the schema."""
+    The arguments are :func:`porch.starlette.idempotent`'s; the header is in the schema
+    (required there with ``required=True``)."""
 
     __slots__ = ()
     documents_header = True
+
+    def __new__(cls, **settings: Any) -> Idempotency:
+        # The schema is read from __call__'s signature: a required key needs its own.
+        chosen = _RequiredIdempotency if settings.get("required") else cls
+        return super().__new__(chosen)
 
     async def __call__(
         self,
@@ -74,5 +80,23 @@ class Idempotency(RouteIdempotency):
                 max_length=255,
             ),
         ] = None,
+    ) -> None:
+        _check(self, request)
+
+
+class _RequiredIdempotency(Idempotency):
+    __slots__ = ()
+
+    async def __call__(  # type: ignore[override]
+        self,
+        request: Request,
+        idempotency_key: Annotated[
+            str,
+            Header(
+                alias="Idempotency-Key",
+                description="Required. Resending with the same key replays the stored response.",
+                max_length=255,
+            ),
+        ],
     ) -> None:
         _check(self, request)
