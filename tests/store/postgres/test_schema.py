@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from porch.errors import ConfigurationError, StoreError
-from porch.store.base import Claim, Hit
+from porch.store.base import Claim, Hit, Quota, Save, StoredResponse
 from porch.store.postgres import PostgresStore
 from porch.store.postgres.schema import SCHEMA_VERSION
 
@@ -113,3 +113,37 @@ def test_a_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ConfigurationError) as raised:
         PostgresStore("postgresql://u@127.0.0.1/db")
     assert "pip install 'porch[postgres]'" in str(raised.value)
+
+
+async def test_stored_bytes_stay_exact_over_slots_prunes_and_purge(
+    postgres_url: str, schema: str
+) -> None:
+    # Two stores saving at once write their bytes into different usage slots;
+    # the figures are sums over slots, and a purge takes them off exactly once.
+    stores = [PostgresStore(postgres_url, schema=schema) for _ in range(2)]
+    await asyncio.gather(*(s.open() for s in stores))
+    try:
+        response = StoredResponse(b"d", 201, ((b"content-type", b"text/plain"),), b"x" * 100)
+        saves = [
+            [Save(f"k{n}-{i}", response, 0.5, scope="s", quota=Quota()) for i in range(8)]
+            for n in range(len(stores))
+        ]
+        await asyncio.gather(*(s.apply(ops) for s, ops in zip(stores, saves, strict=True)))
+        assert {op.outcome for ops in saves for op in ops} == {"saved"}
+        conn = await asyncpg.connect(postgres_url)
+        try:
+            size = await conn.fetchval(f'SELECT sum(size) FROM "{schema}".records')
+            assert size >= 16 * 100
+            used = f'SELECT coalesce(sum(bytes), 0) FROM "{schema}".usage WHERE scope = $1'
+            assert await conn.fetchval(used, "s") == size
+            await asyncio.sleep(1.0)  # every response expired
+            report = await stores[0].admin().purge()
+            assert report.responses == 16
+            assert await conn.fetchval(used, "s") == 0
+            total = f'SELECT sum(bytes) FROM "{schema}".usage_total'
+            assert await conn.fetchval(total) == 0
+        finally:
+            await conn.close()
+        assert (await stores[0].admin().check()).problems == ()
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))

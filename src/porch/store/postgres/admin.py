@@ -2,8 +2,9 @@
 
 Windows and expiries are server time (Unix seconds from ``clock_timestamp()``),
 as the store decides them. ``purge`` deletes what the store's own bounded
-pruning would, in the same lock order (records, then usage rows, then one total
-slot), keeping the byte accounting exact; ``check`` reads in one read-only
+pruning would, through the same function and in the same lock order (a usage
+slot, then rows by key, skipping rows a batch holds), keeping the byte
+accounting exact; ``check`` reads in one read-only
 repeatable-read transaction and changes nothing.
 """
 
@@ -121,29 +122,26 @@ class PostgresAdmin:
         conn = await self._conn()
         try:
             async with conn.transaction():
-                counters = await conn.execute(f"DELETE FROM {s}.counters WHERE expires <= {_NOW}")
-                responses = await conn.fetchval(
-                    f"""
-                    WITH d AS (
-                        DELETE FROM {s}.records r
-                        WHERE r.status IS NOT NULL AND r.expires <= {_NOW}
-                          AND (r.lease_until IS NULL OR r.lease_until <= {_NOW})
-                        RETURNING r.scope, r.size
-                    ), u AS (
-                        UPDATE {s}.usage g SET bytes = g.bytes - d2.b
-                        FROM (SELECT d.scope, sum(d.size) b FROM d GROUP BY d.scope) d2
-                        WHERE g.scope = d2.scope RETURNING d2.b
-                    ), z AS (
-                        UPDATE {s}.usage_total
-                        SET bytes = bytes - (SELECT coalesce(sum(u.b), 0) FROM u)
-                        WHERE slot = 0 RETURNING 1
+                # The store's own lock order: a usage slot first, then rows by key,
+                # skipping rows a batch holds (they are its to touch).
+                slot = await conn.fetchval(
+                    f"SELECT slot FROM {s}.usage_total ORDER BY slot LIMIT 1 FOR UPDATE SKIP LOCKED"
+                )
+                if slot is None:
+                    slot = await conn.fetchval(
+                        f"SELECT slot FROM {s}.usage_total WHERE slot = 0 FOR UPDATE"
                     )
-                    SELECT (SELECT count(*) FROM d) + 0 * (SELECT count(*) FROM z)
-                    """
+                counters = await conn.execute(
+                    f"DELETE FROM {s}.counters WHERE key IN (SELECT key FROM {s}.counters"
+                    f" WHERE expires <= {_NOW} FOR UPDATE SKIP LOCKED)"
+                )
+                responses = await conn.fetchval(
+                    f"SELECT {s}.prune_responses({_NOW}, $1, NULL, NULL, 2147483647)", slot
                 )
                 # Claims whose holder died long ago and nobody took over.
                 await conn.execute(
-                    f"DELETE FROM {s}.records WHERE status IS NULL AND lease_until <= {_NOW} - 60"
+                    f"DELETE FROM {s}.records WHERE key IN (SELECT key FROM {s}.records"
+                    f" WHERE status IS NULL AND lease_until <= {_NOW} - 60 FOR UPDATE SKIP LOCKED)"
                 )
         except Exception as exc:
             raise StoreError(f"{self.location}: {exc}") from exc

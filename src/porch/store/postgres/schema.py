@@ -80,9 +80,12 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 APPLY_FUNCTION = r"""
 -- PL/pgSQL, not SQL: its statements' plans are cached for the session.
 -- Delete up to n expired stored responses (of one scope, or any), skipping rows
--- another batch holds, and take their bytes off through the caller's slot.
-CREATE OR REPLACE FUNCTION {s}.prune_records(t float8, sl int, keep text, sc text, n int)
-RETURNS void LANGUAGE plpgsql SET search_path = {s}, pg_catalog AS $fn$
+-- another batch holds, and take their bytes off through the caller's slot;
+-- return how many were deleted. The caller holds slot sl (locked first).
+CREATE OR REPLACE FUNCTION {s}.prune_responses(t float8, sl int, keep text, sc text, n int)
+RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog AS $fn$
+DECLARE
+    deleted bigint;
 BEGIN
     WITH d AS (
         DELETE FROM records r WHERE r.key IN (
@@ -96,9 +99,12 @@ BEGIN
         INSERT INTO usage AS u (scope, slot, bytes)
             SELECT d.scope, sl, -sum(d.size) FROM d GROUP BY d.scope
             ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), z AS (
+        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+            WHERE slot = sl
     )
-    UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
-        WHERE slot = sl;
+    SELECT count(*) INTO deleted FROM d;
+    RETURN deleted;
 END
 $fn$;
 
@@ -325,7 +331,7 @@ BEGIN
                     ok := used + sz <= scope_caps[i] AND tbase + tdelta + sz <= total_caps[i];
                     EXIT WHEN ok OR attempt = 2;
                     -- Expired rows still counted: prune them (never waiting), then look again.
-                    PERFORM prune_records(t, myslot, k,
+                    PERFORM prune_responses(t, myslot, k,
                         CASE WHEN used + sz > scope_caps[i] THEN scopes[i] END, 4096);
                     dbase := array_fill(NULL::bigint, ARRAY[array_length(dscopes, 1)]);
                     tbase := NULL;  -- the prune took its bytes off in the table
@@ -402,7 +408,7 @@ BEGIN
             ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
     END IF;
     IF saved THEN
-        PERFORM prune_records(t, myslot, NULL, NULL, prune);
+        PERFORM prune_responses(t, myslot, NULL, NULL, prune);
         -- Claims whose holder died and nobody took over.
         DELETE FROM records r WHERE r.key IN (
             SELECT x.key FROM records x WHERE x.status IS NULL AND x.lease_until <= t - 60
