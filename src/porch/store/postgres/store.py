@@ -305,6 +305,9 @@ class PostgresStore:
                 conn.fetch(self._sql, *self._arguments(ops)), self.statement_timeout + 0.5
             )
             self._results(ops, rows)
+            for job_ops, future in jobs:
+                if future.done():  # its caller gave up: nobody knows of its claims
+                    self._forget(job_ops)
             self._transactions += 1
             self._operations += len(ops)
         except StoreError as exc:
@@ -393,6 +396,12 @@ class PostgresStore:
             statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, self.lease,
             self.prune_batch, self.channel,
         ]  # fmt: skip
+
+    def _forget(self, ops: Sequence[_Op]) -> None:
+        """Stop renewing claims taken for a caller that timed out: their leases lapse."""
+        for op in ops:
+            if type(op) is Claim and op.token and self._held.get(op.key) == op.token:
+                del self._held[op.key]
 
     def _results(self, ops: list[_Op], rows: list[Any]) -> None:
         wall = next((row[3] for row in rows if row[0] == 0), 0.0)
