@@ -84,7 +84,10 @@ class RateLimitMiddleware:
     ``dry_run`` counts and reports but never refuses. A store failure answers 503
     unless ``fail_open`` lets the request through uncounted; saturation always
     answers 503. ``enabled=False`` passes every request through untouched and
-    never opens the store (an off switch for tests).
+    never opens the store (an off switch for tests). A refusal is remembered
+    and answered from memory (no mailbox slot) until the rule's first window
+    ends, at most ``refusal_memory`` seconds (0: off), for at most
+    ``refusal_memory_entries`` clients; ``clock`` defaults to the store's.
     """
 
     def __init__(
