@@ -89,20 +89,26 @@ def decide(
     amounts = compiled.amounts
     counts = hit.counts
     resets = hit.resets
+    windows = compiled.windows
     n = len(amounts)
-    # ceil: never tell a client a window ends earlier than it does.
+    # ceil: never tell a client a window ends earlier than it does. A store's
+    # ``end - now`` can come out a rounding error above the window (a fresh
+    # window read as 60.000000000001 s), and ceil would then add a whole second:
+    # no window has more than its length left.
     if n == 1 and hit.allowed:  # the common case: one limit, no choosing, no refusal
         left = amounts[0] - counts[0]
+        reset = resets[0] if resets[0] < windows[0] else windows[0]
         return [
             (b"x-ratelimit-limit", compiled.limit_bytes[0]),
             (b"x-ratelimit-remaining", b"%d" % left),
-            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[0])),
+            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + reset)),
             (b"ratelimit-policy", compiled.policy_header),
             (
                 b"ratelimit",
-                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(resets[0]) or 1),
+                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(reset) or 1),
             ),
         ], None
+    resets = [min(r, w) for r, w in zip(resets, windows, strict=True)]
     if n == 1:
         i = 0
         remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
