@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
+from .capture import TOKEN, Capture
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -43,20 +43,7 @@ __all__ = ["IdempotencyMiddleware", "IdempotencyRule"]
 
 logger = logging.getLogger("porch.idempotency")
 
-REPLAYED_HEADERS = frozenset({b"content-type", b"location", b"etag", b"content-location"})
-_UNSTORED_STATUSES = frozenset({408, 409, 425, 429})
 DEFAULT_QUOTA = Quota()  # frozen: 8 MiB of stored responses per caller scope, 1 GiB in total
-
-
-def storable(status: int) -> bool:
-    """2xx-4xx are stored, except the ones that say "try again": 408, 409, 425, 429."""
-    return 200 <= status < 500 and status not in _UNSTORED_STATUSES
-
-
-# A header field name (RFC 9110 token).
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# What servers refuse to send in a header value (the set uvicorn checks): CTLs but HTAB.
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -88,7 +75,7 @@ class IdempotencyRule:
         names = [b"content-type"]
         for header in digest_headers:
             name = header.strip().lower().encode("latin-1")
-            if _TOKEN.fullmatch(name) is None:
+            if TOKEN.fullmatch(name) is None:
                 raise ConfigurationError(f"digest_headers entry {header!r} is not a header name")
             if name not in names:
                 names.append(name)
@@ -388,11 +375,11 @@ class IdempotencyMiddleware:
         elif outcome is OWNER:
             if outcomes is not None:
                 outcomes["executed"].inc()
-            capture = _Capture(send, self, key, acquire.token, caller, digest)
+            capture = Capture(send, self, key, acquire.token, caller, digest)
             await self._run_owner(scope, receive, capture, body)
 
     async def _run_owner(
-        self, scope: Scope, receive: Receive, capture: _Capture, body: bytes
+        self, scope: Scope, receive: Receive, capture: Capture, body: bytes
     ) -> None:
         try:
             await self.app(scope, _replaying(body, receive), capture)
@@ -442,15 +429,6 @@ class _BodyTooLarge(Exception):
     """Raised when a keyed request body exceeds ``max_body``."""
 
 
-def _invalid_header(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The first header whose bytes a server would refuse to send (a name that is no token,
-    CR/LF/NUL or another control byte in a value), or None."""
-    for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
-            return bytes(name)
-    return None
-
-
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
@@ -474,135 +452,3 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return wrapped
-
-
-class _Capture:
-    """Streams the owner's response to the client and keeps a copy for the store.
-
-    The last body chunk is held until the stored copy is committed: a client
-    that received a complete response can always have it replayed, even if the
-    process dies the next instant.
-    """
-
-    __slots__ = (
-        "caller",
-        "chunks",
-        "digest",
-        "headers",
-        "invalid",
-        "key",
-        "middleware",
-        "oversized",
-        "reported",
-        "send",
-        "size",
-        "start",
-        "status",
-        "token",
-    )
-
-    def __init__(
-        self,
-        send: Send,
-        middleware: IdempotencyMiddleware,
-        key: str,
-        token: int,
-        caller: str,
-        digest: bytes,
-    ) -> None:
-        self.send = send
-        self.middleware = middleware
-        self.key = key
-        self.token = token
-        self.caller = caller
-        self.digest = digest
-        self.status = 0
-        self.start: Message | None = None
-        self.headers: tuple[tuple[bytes, bytes], ...] = ()
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.oversized = False
-        self.invalid: bytes | None = None
-        self.reported = False
-
-    def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
-        self.reported = True
-        return self.middleware._report(self.key, self.token, self.caller, response)
-
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = message["status"]
-            self.invalid = _invalid_header(message.get("headers", ()))
-            self.headers = tuple(
-                (k.lower(), v)
-                for k, v in message.get("headers", ())
-                if k.lower() in REPLAYED_HEADERS
-            )
-            # Held until the first body chunk: a one-chunk response (the usual
-            # kind) then leaves as head and body together, after its commit,
-            # not as a head now and a body a commit later.
-            self.start = message
-            return
-        if kind == "http.response.body" and not self.reported:
-            chunk: bytes = message.get("body", b"")
-            if not self.oversized:
-                self.size += len(chunk)
-                if self.size > self.middleware.max_stored:
-                    self.oversized = True
-                    self.chunks.clear()
-                else:
-                    self.chunks.append(chunk)
-            if not message.get("more_body", False):
-                await self._complete()
-        if self.start is not None:
-            start, self.start = self.start, None
-            await self.send(start)
-        await self.send(message)
-
-    async def _complete(self) -> None:
-        """The app finished its response: store it (if storable) before the last chunk leaves."""
-        if self.invalid is not None or self.oversized or not storable(self.status):
-            if self.invalid is not None:
-                # The server will refuse to send it; stored, every retry would fail the
-                # same way for the whole ttl. Passed on as is: the server decides.
-                logger.warning(
-                    "porch: response has an invalid header %s; not stored, key released",
-                    self.invalid[:64],
-                )
-            elif self.oversized:
-                logger.warning(
-                    "porch: response over max_stored=%d bytes was not stored; key released",
-                    self.middleware.max_stored,
-                )
-            self.report(None)
-            return
-        stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
-        try:
-            outcome = await self.report(stored)
-        except (StoreError, PoolClosedError) as exc:
-            # The handler's work is done: deliver the response, but say
-            # loudly that a retry will not be able to replay it.
-            # Throttled: with the store down, every owner would say it.
-            self.middleware._log.event(
-                logging.ERROR,
-                ("store", "save"),
-                asyncio.get_running_loop().time(),
-                1.0,
-                "porch: could not store the response for replay: %s",
-                exc,
-                scope=self.caller,
-                outcome="not_stored",
-                cause="store",
-            )
-            return
-        if outcome == "quota":
-            self.middleware._over_quota(self.caller)
-        elif outcome == "fenced":
-            self.middleware._count_unstored("fenced")
-            # Another owner claimed the key meanwhile (this claim had ended): its
-            # response is the stored one; this one is delivered but never replayed.
-            logger.error(
-                "porch: an idempotency owner lost its claim before saving (fenced);"
-                " its response was sent but not stored"
-            )
