@@ -10,7 +10,9 @@ a reboot the wall-clock columns are used instead (as the store's rebase does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 from ...clock import Clock, SystemClock
@@ -58,6 +60,21 @@ class SQLiteAdmin:
                 " start a server on it once (it migrates), or upgrade porch"
             )
         return conn
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One short ``BEGIN IMMEDIATE`` transaction: committed when the block returns."""
+        conn = self._open(read_only=False)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            yield conn
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.close()
 
     def _now(self, conn: sqlite3.Connection) -> tuple[float | None, float]:
         """(monotonic now if the file's times are on this boot's clock, else None; wall now)."""
@@ -126,9 +143,7 @@ class SQLiteAdmin:
         return await asyncio.to_thread(self._reset, client, rule)
 
     def _reset(self, client: str, rule: str | None) -> int:
-        conn = self._open(read_only=False)
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+        with self._writing() as conn:
             keys = [
                 key
                 for (key,) in conn.execute(
@@ -139,22 +154,13 @@ class SQLiteAdmin:
                 if (parts := split_counter_key(key)) is not None and parts[2] == client
             ]
             conn.executemany("DELETE FROM counters WHERE key = ?", [(k,) for k in keys])
-            conn.execute("COMMIT")
-            return len(keys)
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: {exc}") from exc
-        finally:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            conn.close()
+        return len(keys)
 
     async def purge(self) -> PurgeReport:
         return await asyncio.to_thread(self._purge)
 
     def _purge(self) -> PurgeReport:
-        conn = self._open(read_only=False)
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+        with self._writing() as conn:
             mono, wall = self._now(conn)
             if mono is not None:
                 counters = conn.execute("DELETE FROM counters WHERE expires <= ?", (mono,))
@@ -171,14 +177,7 @@ class SQLiteAdmin:
                     (wall,),
                 )
             n_responses = responses.rowcount
-            conn.execute("COMMIT")
-            return PurgeReport(max(0, n_counters), max(0, n_responses))
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: {exc}") from exc
-        finally:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            conn.close()
+        return PurgeReport(max(0, n_counters), max(0, n_responses))
 
     async def check(self) -> CheckReport:
         return await asyncio.to_thread(self._check)
