@@ -6,11 +6,14 @@ uvicorn builds the app in each server process from the environment:
 proxy hops (for runs that set a different forwarded client per request), and
 ``BENCH_REDIS`` the Redis URL of the Redis-backed rows (porch's and slowapi's),
 ``BENCH_POSTGRES`` and ``BENCH_SCHEMA`` the PostgreSQL URL and schema of the
-PostgreSQL-backed rows.
+PostgreSQL-backed rows, and ``BENCH_IO_MS`` how long each handler awaits
+``asyncio.sleep`` before it answers: a stand-in for a database query, so the
+``-io`` rows show the ratio a user with a real app sees.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 from pathlib import Path
@@ -79,6 +82,7 @@ def create() -> Starlette:
     window = float(os.environ.get("BENCH_WINDOW", "3600"))
     hops = int(os.environ.get("BENCH_TRUST_HOPS", "0"))
     redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
+    io = float(os.environ.get("BENCH_IO_MS", "0")) / 1000
     pools: list[KeyPool] = []
 
     def store() -> Store:
@@ -97,10 +101,14 @@ def create() -> Starlette:
     headers = LIMITER_HEADERS if variant == "bare-headers" else None
 
     async def hello(request: Request) -> Response:
+        if io:
+            await asyncio.sleep(io)  # the handler's "database query"
         return PlainTextResponse("Hello, world!", headers=headers)
 
     async def order(request: Request) -> Response:
         body = await request.body()
+        if io:
+            await asyncio.sleep(io)
         return JSONResponse({"id": 1, "size": len(body)}, status_code=201)
 
     async def stats(request: Request) -> Response:

@@ -1,6 +1,6 @@
 """Where a request's CPU goes: per-thread CPU time per request, under load.
 
-    python benchmarks/cpu.py [--duration 5]
+    python benchmarks/cpu.py [--duration 5] [--out benchmarks/cpu.json]
 
 For each case a real uvicorn server (pinned to CPU 0) is loaded by wrk (CPU 1)
 at 64 connections; the kernel's per-thread CPU counters (/proc/<pid>/task)
@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,12 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu.json"))
     args = parser.parse_args()
     if not Path("/proc/self/task").exists():
         print("cpu.py reads /proc: Linux only", file=sys.stderr)
         return 1
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="porch-cpu-") as tmp:
         rows = []
         for name, variant, path, lua in CASES:
@@ -107,13 +110,14 @@ def main() -> int:
             print(name, json.dumps(row), flush=True)
             rows.append(row)
     out = {
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "versions": versions(),
         "duration_s": args.duration,
         "cases": rows,
+        "elapsed_s": round(time.monotonic() - started),
     }
-    (ROOT / "benchmarks" / "cpu.json").write_text(json.dumps(out, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -196,6 +196,7 @@ def main() -> int:
     parser.add_argument("--churn-window", type=float, default=1.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "curves.json"))
     args = parser.parse_args()
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="porch-curves-") as tmpdir:
         tmp = Path(tmpdir)
         report = {
@@ -209,6 +210,7 @@ def main() -> int:
             "keys": keys_curve(args.duration, tmp),
             "churn": churn(args.churn_seconds, args.churn_window, tmp),
         }
+    report["elapsed_s"] = round(time.monotonic() - started)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

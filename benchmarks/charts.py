@@ -1,0 +1,83 @@
+"""The charts of docs/benchmarks.md (docs/img/*.png), drawn with matplotlib.
+
+benchmarks/render.py calls ``charts``; every value drawn comes from
+benchmarks/results.json and benchmarks/curves.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+
+
+def charts(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    made = []
+    rows = [r for r in report["results"] if r["workers"] == 1]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.25 * len(rows)))
+    ax.barh([r["variant"] for r in rows][::-1], [r["rps"] for r in rows][::-1], color="#4a7")
+    ax.set_xlabel("requests / second (median)")
+    ax.set_title("Throughput, one worker, 64 connections")
+    fig.tight_layout()
+    fig.savefig(IMG / "throughput.png", dpi=110)
+    plt.close(fig)
+    made.append("throughput.png")
+    if curves is None:
+        return made
+    conc = curves["concurrency"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [c["connections"] for c in conc]
+    ax.plot(xs, [c["bare"]["rps"] for c in conc], "o-", label="bare")
+    ax.plot(xs, [c["limiter"]["rps"] for c in conc], "o-", label="porch limiter")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("connections")
+    ax.set_ylabel("requests / second")
+    ax.set_title("Throughput against concurrency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(IMG / "concurrency.png", dpi=110)
+    plt.close(fig)
+    made.append("concurrency.png")
+    keys = curves["keys"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([k["keys"] for k in keys], [k["rps"] for k in keys], "o-", color="#a55")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("distinct client keys")
+    ax.set_ylabel("requests / second")
+    ax.set_title("porch limiter throughput against distinct keys")
+    fig.tight_layout()
+    fig.savefig(IMG / "keys.png", dpi=110)
+    plt.close(fig)
+    made.append("keys.png")
+    samples = curves["churn"]["samples"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ts = [s["t"] for s in samples]
+    ax.plot(ts, [s["db_mb"] for s in samples], "o-", label="store file + WAL (MB)")
+    ax.plot(ts, [s["rss_mb"] for s in samples], "o-", label="process RSS (MB)")
+    ax2 = ax.twinx()
+    ax2.plot(
+        ts,
+        [s["requests"] / 1000 for s in samples],
+        "--",
+        color="gray",
+        label="distinct clients so far (thousands)",
+    )
+    ax.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
+    ax.set_xlabel("seconds")
+    ax.set_title(f"Churn: every request a new client, window {curves['churn']['window_s']:g} s")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(IMG / "churn.png", dpi=110)
+    plt.close(fig)
+    made.append("churn.png")
+    return made
