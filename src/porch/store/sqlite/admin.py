@@ -12,17 +12,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ...clock import Clock, SystemClock
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+from .ops import split_key
 from .schema import SCHEMA_VERSION, check_not_foreign
 
 __all__ = ["SQLiteAdmin"]
 
-_TABLES = ("porch_meta", "counters", "responses", "response_bytes", "response_total")
+# The schema version whose counters are rows of ``counts`` under a name (see schema.py).
+_COMPACT_COUNTERS = 4
+_TABLES = (
+    "porch_meta",
+    "counter_names",
+    "counts",
+    "responses",
+    "response_bytes",
+    "response_total",
+)
 
 
 class SQLiteAdmin:
@@ -92,11 +103,26 @@ class SQLiteAdmin:
         try:
             mono, wall = self._now(conn)
             found: list[CounterInfo] = []
-            rows = conn.execute(
-                "SELECT key, count, window_start, expires, wall_start FROM counters ORDER BY key"
-            )
-            for key, count, start, expires, wall_start in rows:
-                parts = split_counter_key(key)
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            rows: Iterable[tuple[Any, ...]]
+            if version < _COMPACT_COUNTERS:  # not migrated yet: the full key in each row
+                rows = (
+                    (*split_key(key), *rest)
+                    for key, *rest in conn.execute(
+                        "SELECT key, count, window_start, expires, wall_start FROM counters"
+                        " ORDER BY key"
+                    )
+                )
+            else:  # in key order through the primary keys; a client: one seek per name
+                rows = conn.execute(
+                    "SELECT n.prefix, c.client, c.count, c.window_start, c.expires, c.wall_start"
+                    " FROM counter_names n JOIN counts c ON c.name = n.id"
+                    + (" WHERE c.client = ?" if client is not None else "")
+                    + " ORDER BY n.prefix, c.client",
+                    () if client is None else (client,),
+                )
+            for prefix, name, count, start, expires, wall_start in rows:
+                parts = split_counter_key(prefix + name)
                 if parts is None or (client is not None and parts[2] != client):
                     continue
                 left = expires - mono if mono is not None else wall_start + (expires - start) - wall
@@ -144,17 +170,20 @@ class SQLiteAdmin:
 
     def _reset(self, client: str, rule: str | None) -> int:
         with self._writing() as conn:
-            keys = [
-                key
-                for (key,) in conn.execute(
-                    # The client is the key's last field; the prefix narrows the scan.
-                    "SELECT key FROM counters WHERE key >= ? AND key < ?",
-                    (f"rl{US}{rule}{US}", f"rl{US}{rule}\x20") if rule else ("rl" + US, "rl\x20"),
-                )
-                if (parts := split_counter_key(key)) is not None and parts[2] == client
+            # The client is the key's last field, the rest one of a few names: a lookup each.
+            names = [
+                name
+                for name, prefix in conn.execute("SELECT id, prefix FROM counter_names")
+                if (parts := split_counter_key(prefix + client)) is not None
+                and parts[2] == client
+                and (rule is None or parts[0] == rule)
             ]
-            conn.executemany("DELETE FROM counters WHERE key = ?", [(k,) for k in keys])
-        return len(keys)
+            deleted = 0
+            for name in names:
+                deleted += conn.execute(
+                    "DELETE FROM counts WHERE name = ? AND client = ?", (name, client)
+                ).rowcount
+        return deleted
 
     async def purge(self) -> PurgeReport:
         return await asyncio.to_thread(self._purge)
@@ -163,12 +192,12 @@ class SQLiteAdmin:
         with self._writing() as conn:
             mono, wall = self._now(conn)
             if mono is not None:
-                counters = conn.execute("DELETE FROM counters WHERE expires <= ?", (mono,))
+                counters = conn.execute("DELETE FROM counts WHERE expires <= ?", (mono,))
                 n_counters = counters.rowcount
                 responses = conn.execute("DELETE FROM responses WHERE expires <= ?", (mono,))
             else:
                 counters = conn.execute(
-                    "DELETE FROM counters WHERE wall_start + (expires - window_start) <= ?",
+                    "DELETE FROM counts WHERE wall_start + (expires - window_start) <= ?",
                     (wall,),
                 )
                 n_counters = counters.rowcount

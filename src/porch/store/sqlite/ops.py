@@ -19,17 +19,18 @@ from typing import Any
 from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 
-__all__ = ["apply_batch", "prune_expired", "stored_size"]
+__all__ = ["apply_batch", "prune_expired", "split_key", "stored_size"]
 
 _UPSERT_COUNTER = (
-    "INSERT INTO counters (key, count, window_start, expires, wall_start) VALUES (?, ?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET count = excluded.count,"
+    "INSERT INTO counts (name, client, count, window_start, expires, wall_start)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (name, client) DO UPDATE SET count = excluded.count,"
     " window_start = excluded.window_start, expires = excluded.expires,"
     " wall_start = excluded.wall_start"
 )
 _PRUNE_COUNTERS = (
-    "DELETE FROM counters WHERE key IN"
-    " (SELECT key FROM counters WHERE expires <= ? ORDER BY expires LIMIT ?)"
+    "DELETE FROM counts WHERE (name, client) IN"
+    " (SELECT name, client FROM counts WHERE expires <= ? ORDER BY expires LIMIT ?)"
 )
 _PRUNE_RESPONSES = (
     "DELETE FROM responses WHERE key IN"
@@ -46,6 +47,7 @@ _UPSERT_RESPONSE = (
 )
 _PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
 _SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
+_US = "\x1f"
 
 
 def _chunks(keys: list[str]) -> Iterator[list[str]]:
@@ -275,18 +277,53 @@ def _apply_writes(
 _CLEAN, _COUNT, _WINDOW = 0, 1, 2
 
 
-def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
-    # key -> [count, window_start, expires, wall_start, write]; read once per
-    # transaction, written once per transaction, however many hits share a key.
-    rows: dict[str, list[Any]] = {}
-    for chunk in _chunks(list({key for hit in hits for key in hit.keys})):
+def split_key(key: str) -> tuple[str, str]:
+    """``(prefix, client)`` of a counter key: its first three US-terminated fields (porch's
+    ``rl US rule US limit US``, one per rule and limit) and the rest; ``("", key)`` for a
+    key with fewer fields. The prefix is stored once, in ``counter_names``."""
+    parts = key.split(_US, 3)
+    if len(parts) < 4:
+        return "", key
+    client = parts[3]
+    return key[: len(key) - len(client)], client
+
+
+def _name_ids(conn: sqlite3.Connection, prefixes: list[str]) -> dict[str, int]:
+    """The id of each prefix, adding the new ones (a handful: one per rule and limit)."""
+    ids: dict[str, int] = {}
+    for chunk in _chunks(prefixes):
         marks = ",".join("?" * len(chunk))
-        for key, count, start, expires, wall_start in conn.execute(
-            "SELECT key, count, window_start, expires, wall_start FROM counters"
-            f" WHERE key IN ({marks})",
-            chunk,
+        for prefix, name in conn.execute(
+            f"SELECT prefix, id FROM counter_names WHERE prefix IN ({marks})", chunk
         ):
-            rows[key] = [count, start, expires, wall_start, _CLEAN]
+            ids[prefix] = int(name)
+    for prefix in prefixes:
+        if prefix not in ids:
+            cursor = conn.execute("INSERT INTO counter_names (prefix) VALUES (?)", (prefix,))
+            ids[prefix] = int(cursor.lastrowid or 0)
+    return ids
+
+
+def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
+    # key -> [count, window_start, expires, wall_start, write, name, client]; read once
+    # per transaction, written once per transaction, however many hits share a key.
+    rows: dict[str, list[Any]] = {}
+    places: dict[str, tuple[str, str]] = {}
+    clients: dict[str, dict[str, str]] = {}  # prefix -> client -> key
+    for key in {key for hit in hits for key in hit.keys}:
+        prefix, client = places[key] = split_key(key)
+        clients.setdefault(prefix, {})[client] = key
+    names = _name_ids(conn, list(clients))
+    for prefix, keys in clients.items():
+        name = names[prefix]
+        for chunk in _chunks(list(keys)):
+            marks = ",".join("?" * len(chunk))
+            for client, count, start, expires, wall_start in conn.execute(
+                "SELECT client, count, window_start, expires, wall_start FROM counts"
+                f" WHERE name = ? AND client IN ({marks})",
+                [name, *chunk],
+            ):
+                rows[keys[client]] = [count, start, expires, wall_start, _CLEAN]
     created = 0
     for hit in hits:
         current: list[list[Any]] = []
@@ -312,12 +349,19 @@ def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: flo
         hit.counts = [row[0] for row in current]
         hit.resets = [row[2] - now for row in current]
         hit.wall = wall
-    windows = [(key, r[0], r[1], r[2], r[3]) for key, r in rows.items() if r[4] == _WINDOW]
-    counts = [(r[0], key) for key, r in rows.items() if r[4] == _COUNT]
+    windows: list[tuple[Any, ...]] = []
+    counts: list[tuple[Any, ...]] = []
+    for key, r in rows.items():
+        if r[4] == _WINDOW:
+            prefix, client = places[key]
+            windows.append((names[prefix], client, r[0], r[1], r[2], r[3]))
+        elif r[4] == _COUNT:
+            prefix, client = places[key]
+            counts.append((r[0], names[prefix], client))
     if windows:
         conn.executemany(_UPSERT_COUNTER, windows)
     if counts:
         # Within a window only the count changes: leaving the indexed expiry
         # column alone keeps the index pages out of the commit.
-        conn.executemany("UPDATE counters SET count = ? WHERE key = ?", counts)
+        conn.executemany("UPDATE counts SET count = ? WHERE name = ? AND client = ?", counts)
     return created

@@ -98,6 +98,51 @@ _MIGRATIONS: tuple[str, ...] = (
         UPDATE response_total SET bytes = bytes - old.size + new.size;
     END;
     """,
+    # 4: compact counter rows. A counter key is ``rl US rule US limit US client``: its
+    # first three fields (the prefix, one per rule and limit) are stored once in
+    # counter_names, and a row of ``counts`` holds the prefix's small id and the client
+    # part only (about a third of the old row for an IPv4 client), so a million clients
+    # fill a third of the pages. ``counters`` stays as a read-only view with the full
+    # key (and deletable through its trigger), for operators' SQL and old tests.
+    # Existing rows move over; the split is the writer's (split_key in ops.py).
+    """
+    CREATE TABLE counter_names (
+        id     INTEGER PRIMARY KEY,
+        prefix TEXT NOT NULL UNIQUE
+    );
+    CREATE TEMP TABLE porch_split AS
+        WITH a AS (SELECT *, instr(key, char(31)) AS i1 FROM counters),
+        b AS (SELECT *, CASE WHEN i1 > 0
+                 THEN instr(substr(key, i1 + 1), char(31)) ELSE 0 END AS i2 FROM a),
+        c AS (SELECT *, CASE WHEN i2 > 0
+                 THEN instr(substr(key, i1 + i2 + 1), char(31)) ELSE 0 END AS i3 FROM b)
+        SELECT key, count, window_start, expires, wall_start,
+               CASE WHEN i3 > 0 THEN i1 + i2 + i3 ELSE 0 END AS cut FROM c;
+    INSERT INTO counter_names (prefix)
+        SELECT DISTINCT substr(key, 1, cut) FROM porch_split ORDER BY 1;
+    CREATE TABLE counts (
+        name         INTEGER NOT NULL,
+        client       TEXT NOT NULL,
+        count        INTEGER NOT NULL,
+        window_start REAL NOT NULL,
+        expires      REAL NOT NULL,
+        wall_start   REAL NOT NULL,
+        PRIMARY KEY (name, client)
+    ) WITHOUT ROWID;
+    INSERT INTO counts (name, client, count, window_start, expires, wall_start)
+        SELECT n.id, substr(s.key, s.cut + 1), s.count, s.window_start, s.expires, s.wall_start
+        FROM porch_split s JOIN counter_names n ON n.prefix = substr(s.key, 1, s.cut);
+    DROP TABLE porch_split;
+    DROP TABLE counters;
+    CREATE INDEX counts_expires ON counts (expires);
+    CREATE VIEW counters (key, count, window_start, expires, wall_start, name, client) AS
+        SELECT n.prefix || c.client, c.count, c.window_start, c.expires, c.wall_start,
+               c.name, c.client
+        FROM counts c JOIN counter_names n ON n.id = c.name;
+    CREATE TRIGGER counters_delete INSTEAD OF DELETE ON counters BEGIN
+        DELETE FROM counts WHERE name = old.name AND client = old.client;
+    END;
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -185,7 +230,7 @@ def rebase_after_reboot(conn: sqlite3.Connection, boot_id: str, mono: float, wal
     if row is not None:
         # Every right-hand side reads the old row, so one UPDATE is consistent.
         conn.execute(
-            "UPDATE counters SET"
+            "UPDATE counts SET"
             " window_start = :mono - MAX(0.0, :wall - wall_start),"
             " expires = :mono - MAX(0.0, :wall - wall_start) + (expires - window_start)",
             {"mono": mono, "wall": wall},
