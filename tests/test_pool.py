@@ -42,6 +42,7 @@ class GatedStore:
     """A store whose transactions wait for a gate, to hold a shard busy."""
 
     claims: Claims = NoClaims()
+    in_flight = 1
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

@@ -189,6 +189,7 @@ class NoClaims:
 
 class BrokenStore:
     claims: Claims = NoClaims()
+    in_flight = 1
 
     async def open(self) -> None:
         pass

@@ -200,6 +200,11 @@ class Store(Protocol):
     """A durable backend for counters, stored responses and idempotency claims."""
 
     claims: Claims
+    in_flight: int
+    """Batches one shard may have applying at once: 1 keeps a shard's batches strictly
+    one after another (SQLite's one writer gains nothing from more); a remote store
+    whose round trip, not its server's work, bounds a shard says more, and the pool
+    then sends a shard's next batch while earlier ones are out, replying in order."""
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

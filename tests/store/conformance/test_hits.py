@@ -41,6 +41,34 @@ async def test_hits_in_one_batch_count_in_order(backend: Backend) -> None:
     assert [h.counts[0] for h in hits] == [*range(1, 11), 10, 10, 10, 10]
 
 
+async def test_a_batch_mixing_clients_and_rules_decides_each_hit_in_turn(backend: Backend) -> None:
+    store = await backend.store()
+    pair = (["m:short", "m:long"], [3, 5], [60.0, 60.0])
+    other = (["m:other"], [2], [60.0])
+    hits = [Hit(*shape) for shape in (pair, other, pair, pair, other, other, pair, pair)]
+    await store.apply(hits)
+    assert [(h.allowed, h.counts) for h in hits] == [
+        (True, [1, 1]),
+        (True, [1]),
+        (True, [2, 2]),
+        (True, [3, 3]),
+        (True, [2]),
+        (False, [2]),
+        (False, [3, 3]),
+        (False, [3, 3]),
+    ]
+    assert all(0 < r <= 60.0 for h in hits for r in h.resets)
+    # One counter under two amounts in one batch (a rule changed between hosts).
+    mixed = [Hit(["m:other"], [n], [60.0]) for n in (3, 2, 3, 4)]
+    await store.apply(mixed)
+    assert [(h.allowed, h.counts) for h in mixed] == [
+        (True, [3]),
+        (False, [3]),
+        (False, [3]),
+        (True, [4]),
+    ]
+
+
 async def test_several_limits_are_all_or_nothing_and_a_refusal_consumes_nothing(
     backend: Backend,
 ) -> None:

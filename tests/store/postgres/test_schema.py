@@ -95,6 +95,7 @@ async def test_an_unreachable_server_fails_open_with_a_store_error() -> None:
         ({"connect_timeout": 0}, "connect_timeout must be 0-60 seconds, got 0"),
         ({"statement_timeout": 61}, "statement_timeout must be 0-60 seconds, got 61"),
         ({"prune_batch": 0}, "prune_batch must be >= 1, got 0"),
+        ({"in_flight": 0}, "in_flight must be 1-16, got 0"),
     ],
 )
 def test_bad_settings_are_refused_at_construction(options: dict[str, object], message: str) -> None:

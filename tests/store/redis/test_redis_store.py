@@ -233,6 +233,7 @@ def test_settings_are_validated_with_exact_messages() -> None:
         "lease must be > 0 seconds, got 0": dict(lease=0),
         "timeout must be > 0 seconds, got -1": dict(timeout=-1),
         "max_connections must be >= 2, got 1": dict(max_connections=1),
+        "in_flight must be 1-16, got 17": dict(in_flight=17),
     }
     for message, options in cases.items():
         target = str(options.pop("url", url))

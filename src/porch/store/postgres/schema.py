@@ -75,8 +75,10 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 # Inputs are parallel arrays, one entry per op (kind 1 hit, 2 lookup, 3 claim,
 # 4 save, 5 release, 6 renew); the hits' limits come flattened: the distinct
 # counter keys (ukeys), then per limit the index of its key, its amount and
-# window, and per hit its op number and its first limit. One output row per
-# op; op 0 carries the server time.
+# window, and per hit its op number, its first limit and its multiplicity (m
+# identical hits sent as one: decided in turn, the first k allowed). One
+# output row per op; op 0 carries the server time. A hit's row says how many
+# of its m were allowed (code) and the counts before them.
 APPLY_FUNCTION = r"""
 -- PL/pgSQL, not SQL: its statements' plans are cached for the session.
 -- Delete up to n expired stored responses (of one scope, or any), skipping rows
@@ -108,9 +110,10 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION {s}.apply_v1(
+CREATE OR REPLACE FUNCTION {s}.apply_v2(
     kinds int[], keys text[],
     ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
+    hmult int[],
     tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
     ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
     lease float8, prune int, channel text
@@ -151,9 +154,11 @@ DECLARE
     tdelta bigint := 0;
     xo int;
     nkeys text[] := '{}';
+    claims boolean := nh < n;  -- anything but hits (a hits-only batch skips their steps)
 BEGIN
     -- Every table is reached through its key index (= ANY, or LATERAL per key):
     -- a join against an array would let the planner scan a whole table.
+    IF claims THEN
     SELECT array_agg(keys[j]) FILTER (WHERE kinds[j] = 3),
            array_agg(j) FILTER (WHERE kinds[j] = 3),
            array_agg(keys[j]) FILTER (WHERE kinds[j] = 4),
@@ -180,11 +185,16 @@ BEGIN
         r_headers := rec.headers; r_body := rec.body;
         RETURN NEXT;
     END LOOP;
+    IF NOT (false = ANY (done)) THEN  -- replays only: nothing to lock, nothing written
+        RETURN;
+    END IF;
+    END IF;
 
     -- Lock phase, always in one global order (a usage slot, counters, records),
     -- rows by key: concurrent batches never deadlock. The slot comes first and
     -- is taken only by batches that may change stored bytes (not by replays).
-    IF skeys IS NOT NULL OR EXISTS (SELECT 1 FROM unnest(cidx) u(j) WHERE NOT done[u.j]) THEN
+    IF claims AND (skeys IS NOT NULL
+            OR EXISTS (SELECT 1 FROM unnest(cidx) u(j) WHERE NOT done[u.j])) THEN
         SELECT z.slot INTO myslot FROM usage_total z
             ORDER BY (z.slot + pg_backend_pid()) % 64 LIMIT 1 FOR UPDATE SKIP LOCKED;
         IF myslot IS NULL THEN  -- all 64 busy: queue for one, holding nothing else yet
@@ -202,8 +212,10 @@ BEGIN
             SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
             ON CONFLICT (key) DO NOTHING;
     END IF;
-    SELECT array_agg(DISTINCT keys[j]) INTO rkeys
-        FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
+    IF claims THEN
+        SELECT array_agg(DISTINCT keys[j]) INTO rkeys
+            FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
+    END IF;
     IF rkeys IS NOT NULL THEN
         -- An absent key gets an empty row first, so that two hosts claiming a new
         -- key at once queue on one row lock instead of both finding nothing.
@@ -232,27 +244,23 @@ BEGIN
         FOR h IN 1 .. nh LOOP
             a := hstart[h];
             b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
-            ok := true;
+            sz := hmult[h];  -- how many of the m identical hits fit under every limit
+            counts := '{}'; resets := '{}';
             FOR j IN a .. b LOOP
                 x := lidx[j];
                 IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
                     cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
                 END IF;
-                IF cc[x] >= lamounts[j] THEN
-                    ok := false;
-                END IF;
+                sz := least(sz, greatest(lamounts[j] - cc[x], 0));
+                counts := counts || cc[x];
+                resets := resets || (ce[x] - t);
             END LOOP;
-            IF ok THEN
+            IF sz > 0 THEN
                 FOR j IN a .. b LOOP
-                    cc[lidx[j]] := cc[lidx[j]] + 1;
+                    cc[lidx[j]] := cc[lidx[j]] + sz;
                 END LOOP;
             END IF;
-            counts := '{}'; resets := '{}';
-            FOR j IN a .. b LOOP
-                counts := counts || cc[lidx[j]];
-                resets := resets || (ce[lidx[j]] - t);
-            END LOOP;
-            op := hops[h]; code := ok::int;
+            op := hops[h]; code := sz;
             RETURN NEXT;
         END LOOP;
         UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
@@ -261,7 +269,7 @@ BEGIN
         counts := NULL; resets := NULL;
     END IF;
 
-    FOR i IN 1 .. n LOOP
+    FOR i IN 1 .. CASE WHEN claims THEN n ELSE 0 END LOOP
         CONTINUE WHEN done[i];  -- a replay, answered first
         op := i; code := 0; tok := NULL; num := NULL;
         r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;

@@ -86,6 +86,8 @@ class PostgresStore:
     heartbeat. ``connections``: connections used for batches (plus one that
     listens). ``connect_timeout`` / ``statement_timeout``: seconds before a
     batch fails with StoreError when the server does not answer.
+    ``in_flight``: batches one pool shard keeps out at once (its round trip,
+    not the server's work, is what a shard waits on; see ``Store.in_flight``).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class PostgresStore:
         connect_timeout: float = 3.0,
         statement_timeout: float = 4.0,
         prune_batch: int = 64,
+        in_flight: int = 2,
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigurationError(
@@ -119,6 +122,8 @@ class PostgresStore:
             )
         if prune_batch < 1:
             raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
+        if not 1 <= in_flight <= 16:
+            raise ConfigurationError(f"in_flight must be 1-16, got {in_flight}")
         self._asyncpg = _driver()
         self.url = url
         self.schema = schema
@@ -127,11 +132,12 @@ class PostgresStore:
         self.connect_timeout = float(connect_timeout)
         self.statement_timeout = float(statement_timeout)
         self.prune_batch = prune_batch
+        self.in_flight = in_flight
         self.channel = f"porch_claims_{schema}"
         self.claims = ListenerClaims(self._connect, self.channel, self.lease)
         self._sql = (
-            f"SELECT * FROM {quote_schema(schema)}.apply_v1("
-            + ", ".join(f"${n}" for n in range(1, 21))
+            f"SELECT * FROM {quote_schema(schema)}.apply_v2("
+            + ", ".join(f"${n}" for n in range(1, 22))
             + ")"
         )
         self._queue: asyncio.Queue[_Job | None] | None = None
@@ -301,10 +307,11 @@ class PostgresStore:
         try:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
+            sent, alike = _collapse(ops)
             rows = await asyncio.wait_for(
-                conn.fetch(self._sql, *self._arguments(ops)), self.statement_timeout + 0.5
+                conn.fetch(self._sql, *self._arguments(sent, alike)), self.statement_timeout + 0.5
             )
-            self._results(ops, rows)
+            self._results(sent, alike, rows)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     self._forget(job_ops)
@@ -332,7 +339,7 @@ class PostgresStore:
                     future.set_exception(error)
         return conn
 
-    def _arguments(self, ops: list[_Op]) -> list[Any]:
+    def _arguments(self, ops: list[_Op], alike: dict[int, list[Hit]]) -> list[Any]:
         n = len(ops)
         kinds = [0] * n
         keys: list[str] = [""] * n
@@ -342,6 +349,7 @@ class PostgresStore:
         lwindows: list[float] = []
         hops: list[int] = []
         hstart: list[int] = []
+        hmult: list[int] = []
         tokens: list[int | None] = [None] * n
         digests: list[bytes | None] = [None] * n
         statuses: list[int | None] = [None] * n
@@ -357,6 +365,8 @@ class PostgresStore:
                 kinds[i] = _HIT
                 hops.append(i + 1)
                 hstart.append(len(lidx) + 1)
+                same = alike.get(i)
+                hmult.append(1 if same is None else len(same))
                 for key, amount, window in zip(op.keys, op.amounts, op.windows, strict=True):
                     lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
                     lamounts.append(amount)
@@ -390,8 +400,8 @@ class PostgresStore:
                 kinds[i] = _RENEW
                 tokens[i] = op.token
         return [
-            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, tokens, digests,
-            statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, self.lease,
+            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, hmult, tokens,
+            digests, statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, self.lease,
             self.prune_batch, self.channel,
         ]  # fmt: skip
 
@@ -401,7 +411,7 @@ class PostgresStore:
             if type(op) is Claim and op.token and self._held.get(op.key) == op.token:
                 del self._held[op.key]
 
-    def _results(self, ops: list[_Op], rows: list[Any]) -> None:
+    def _results(self, ops: list[_Op], alike: dict[int, list[Hit]], rows: list[Any]) -> None:
         wall = next((row[3] for row in rows if row[0] == 0), 0.0)
         held = self._held
         for row in rows:
@@ -412,11 +422,17 @@ class PostgresStore:
             code = row[1]
             kind = type(op)
             if kind is Hit:
-                hit: Any = op
-                hit.allowed = code == 1
-                hit.counts = list(row[4])
-                hit.resets = list(row[5])
-                hit.wall = wall
+                # code: how many of the alike hits were allowed, in turn; row[4]: the
+                # counts before them, so the j-th sees each count + min(j, allowed).
+                before = row[4]
+                resets = row[5]
+                group: Sequence[Any] = alike.get(i - 1) or (op,)
+                for j, hit in enumerate(group, 1):
+                    hit.allowed = j <= code
+                    step = j if j < code else code
+                    hit.counts = [c + step for c in before]
+                    hit.resets = list(resets)
+                    hit.wall = wall
             elif kind is Lookup:
                 lookup: Any = op
                 lookup.result = _stored(row) if code == 1 else None
@@ -445,6 +461,34 @@ class PostgresStore:
                 renew.renewed = code == 1
                 if not renew.renewed and held.get(renew.key) == renew.token:
                     del held[renew.key]  # lost (taken over): stop renewing it
+
+
+def _collapse(ops: list[_Op]) -> tuple[list[_Op], dict[int, list[Hit]]]:
+    """The ops to send: alike hits (same counters, amounts, windows) sent once, with a count.
+
+    n requests of one client in a batch cost the server one step instead of n;
+    they are still decided in arrival order (the first k that fit are allowed).
+    Returns the ops to send and, per sent hit standing for several, the hits it
+    stands for. Hits whose counters overlap without being alike are sent apart.
+    """
+    sent: list[_Op] = []
+    alike: dict[int, list[Hit]] = {}
+    first: dict[tuple[Any, ...], int] = {}
+    owner: dict[str, tuple[Any, ...]] = {}
+    for op in ops:
+        if type(op) is Hit:
+            shape = (tuple(op.keys), tuple(op.amounts), tuple(op.windows))
+            at = first.get(shape)
+            if at is not None:
+                alike[at].append(op)
+                continue
+            for key in op.keys:
+                if owner.setdefault(key, shape) != shape:
+                    return list(ops), {}  # a counter shared by unlike hits: keep every step
+            first[shape] = len(sent)
+            alike[len(sent)] = [op]
+        sent.append(op)
+    return sent, alike
 
 
 def _stored(row: Any) -> StoredResponse:

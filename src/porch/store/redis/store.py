@@ -90,7 +90,8 @@ class RedisStore:
     ``timeout`` bound each connection attempt and each reply, so a stopped or
     frozen server fails an apply with StoreError instead of hanging;
     ``max_connections`` caps the pool, and a caller finding every connection
-    busy waits up to ``pool_timeout`` for one.
+    busy waits up to ``pool_timeout`` for one. ``in_flight``: batches one pool
+    shard keeps out at once (see ``Store.in_flight``).
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class RedisStore:
         max_connections: int = 32,
         pool_timeout: float = 5.0,
         reconnect_delay: float = 0.5,
+        in_flight: int = 2,
     ) -> None:
         scheme = urlsplit(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
@@ -122,6 +124,8 @@ class RedisStore:
         ):
             if not value > 0:
                 raise ConfigurationError(f"{name} must be > 0 seconds, got {value}")
+        if not 1 <= in_flight <= 16:
+            raise ConfigurationError(f"in_flight must be 1-16, got {in_flight}")
         if max_connections < 2:
             raise ConfigurationError(f"max_connections must be >= 2, got {max_connections}")
         try:
@@ -137,6 +141,7 @@ class RedisStore:
         self.timeout = timeout
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
+        self.in_flight = in_flight
         self.names = KeyNames(prefix)
         self.claims = RedisClaims(self.names.channel, reconnect_delay=reconnect_delay)
         self._scripts: dict[str, Script] = load_scripts()

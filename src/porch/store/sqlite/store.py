@@ -71,6 +71,9 @@ class SQLiteStore:
     across processes, but two processes may each run a key's handler.
     """
 
+    # One batch per shard at a time: the one writer thread commits them in turn anyway.
+    in_flight = 1
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
