@@ -186,6 +186,9 @@ async def test_content_type_and_named_headers_are_in_the_digest(pool: KeyPool) -
         (b"location", b"/orders/\x00"),
         (b"x-bad name", b"1"),
         (b"x-bad\nname", b"1"),
+        (b"x-bad,name", b"1"),
+        (b"", b"1"),
+        (b"x-ok", b"tab\tfine but\x7f"),
     ],
 )
 async def test_a_response_with_unsendable_header_bytes_is_not_stored(

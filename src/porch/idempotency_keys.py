@@ -125,21 +125,16 @@ def request_digest(
     for it (none: absent). Every part is length-prefixed, so no two different
     requests can be made to run together into one digest.
     """
-    h = hashlib.blake2b(digest_size=32)
-    for part in (
-        method.upper().encode("ascii", "replace"),
-        path.encode("utf-8", "surrogateescape"),
-        query,
-    ):
-        h.update(b"%d:" % len(part))
-        h.update(part)
+    # The same byte stream as hashing each piece in turn, the small pieces joined first
+    # (two hash calls, not a dozen; the body is never copied).
+    method_b = method.upper().encode("ascii", "replace")
+    path_b = path.encode("utf-8", "surrogateescape")
+    parts = [b"%d:%s%d:%s%d:%s" % (len(method_b), method_b, len(path_b), path_b, len(query), query)]
     for name, values in headers:
-        h.update(b"h%d:" % len(name))
-        h.update(name)
-        h.update(b"#%d" % len(values))
+        parts.append(b"h%d:%s#%d" % (len(name), name, len(values)))
         for value in values:
-            h.update(b"%d:" % len(value))
-            h.update(value)
-    h.update(b"b%d:" % len(body))
+            parts.append(b"%d:%s" % (len(value), value))
+    parts.append(b"b%d:" % len(body))
+    h = hashlib.blake2b(b"".join(parts), digest_size=32)
     h.update(body)
     return h.digest()

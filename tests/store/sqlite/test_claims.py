@@ -15,7 +15,7 @@ from porch.clock import ManualClock
 from porch.errors import StoreError
 from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
-from porch.store.sqlite.claims import KeyLocks, ofd_locks_available
+from porch.store.sqlite.claims import KeyLocks, SQLiteClaims, ofd_locks_available
 
 pytestmark = pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 
@@ -340,3 +340,50 @@ async def test_a_killed_holder_frees_its_claim_and_wakes_a_watcher(tmp_path: Pat
             holder.kill()
         await holder.wait()
         await store.close()
+
+
+def _epoch(store: SQLiteStore) -> str:
+    with sqlite3.connect(store.path) as conn:
+        row = conn.execute("SELECT value FROM porch_meta WHERE name = 'claim_token'").fetchone()
+    (value,) = row
+    return str(value)
+
+
+@pytest.mark.anyio
+async def test_tokens_increase_over_alternating_openers_and_claims_alone_write_nothing(
+    stores: tuple[SQLiteStore, SQLiteStore],
+) -> None:
+    mine, theirs = stores
+    tokens: list[int] = []
+    for round_ in range(3):
+        for store in (mine, theirs, theirs, mine, mine):
+            op = await claim(store, f"s\x1fk{round_}")
+            tokens.append(op.token)
+            await store.apply([Release(op.key, op.token)])
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)
+    # While only one opener claims, its claims take tokens without writing the epoch.
+    epoch = _epoch(mine)
+    more = [await claim(mine, f"s\x1fonly{i}") for i in range(5)]
+    assert _epoch(mine) == epoch
+    assert [op.token for op in more] == list(range(more[0].token, more[0].token + 5))
+    assert more[0].token > tokens[-1]
+
+
+def test_a_rolled_back_epoch_is_never_shared() -> None:
+    # Two stores' claim state, one file's epoch, a transaction that rolls back.
+    mine, theirs = SQLiteClaims("/nonexistent/a"), SQLiteClaims("/nonexistent/b")
+    file_epoch = 7
+    first, new = mine.tokens(file_epoch, 2)
+    assert (first, new) == (8 << 32 | 1, 8)
+    mine.rolled_back()  # the epoch write is undone: the file says 7 again
+    # The other store takes epoch 8 now; mine, claiming next, must take another one.
+    their_first, their_new = theirs.tokens(file_epoch, 1)
+    assert (their_first, their_new) == (8 << 32 | 1, 8)
+    file_epoch = 8
+    again, mine_new = mine.tokens(file_epoch, 1)
+    assert (again, mine_new) == (9 << 32 | 1, 9)
+    # Their next token, after mine took epoch 9, moves past it as well.
+    later, their_next = theirs.tokens(9, 1)
+    assert later > again
+    assert their_next == 10

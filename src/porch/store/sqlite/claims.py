@@ -103,16 +103,52 @@ class KeyLocks:
         if command is None:
             raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
         flock = struct.pack(_FLOCK, kind, os.SEEK_SET, self.offset(key), 1, 0)
-        nowait = self._nowait
         if fd is None:
             fd = self._file()
-        if nowait is None or command != _SETLK:
+        if self._nowait is None or command != _SETLK:
+            fcntl.fcntl(fd, command, flock)
+        else:
+            self._setlk(fd, flock)
+
+    def _setlk(self, fd: int, flock: bytes) -> None:
+        command = _SETLK
+        if command is None:
+            raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
+        nowait = self._nowait
+        if nowait is None:
             fcntl.fcntl(fd, command, flock)
         elif nowait(fd, command, flock) == -1:
             import ctypes  # imported already: _nowait came from it
 
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
+
+    def lock_records(self, key: str) -> tuple[bytes, bytes]:
+        """The packed lock and unlock requests for ``key``'s byte (computed once per claim:
+        the hash and the packing are most of a claim's lock cost besides the syscall)."""
+        offset = self.offset(key)
+        return (
+            struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0),
+            struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0),
+        )
+
+    def file(self) -> int:
+        """This process's descriptor of the lock file (opened again after a fork)."""
+        return self._file()
+
+    def try_lock(self, fd: int, lock: bytes) -> bool:
+        """Take a lock packed by :meth:`lock_records` on ``fd`` (from :meth:`file`), no wait."""
+        try:
+            self._setlk(fd, lock)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def unlock(self, fd: int, unlock: bytes) -> None:
+        """Drop a lock with the unlock record from :meth:`lock_records`."""
+        self._setlk(fd, unlock)
 
     def try_acquire(self, key: str) -> bool:
         """Take the key's lock without waiting; False if another process holds it."""
@@ -187,12 +223,16 @@ class SQLiteClaims:
     ``watch`` runs on the event loop.
     """
 
-    __slots__ = ("_guard", "_held", "_taken", "_watches", "locks")
+    __slots__ = ("_epoch", "_guard", "_held", "_serial", "_taken", "_unlocks", "_watches", "locks")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         # None where the platform has no OFD locks: claims are then per process.
         self.locks: KeyLocks | None = KeyLocks(path) if ofd_locks_available() else None
         self._held: dict[str, int] = {}  # key -> token (0 while being granted)
+        self._unlocks: dict[str, bytes] = {}  # key -> its packed unlock request
+        # Fence tokens are epoch << 32 | serial (see tokens()).
+        self._epoch = 0
+        self._serial = 0
         self._taken: list[str] = []  # taken by the transaction under way
         self._watches: dict[str, list[_Waker]] = {}
         self._guard = threading.Lock()
@@ -203,8 +243,12 @@ class SQLiteClaims:
         """Lock ``key`` for this process without waiting; False if it is held, here or elsewhere."""
         if key in self._held:
             return False  # held by this process (another pool on this same store object)
-        if self.locks is not None and not self.locks.try_acquire(key):
-            return False
+        locks = self.locks
+        if locks is not None:
+            lock, unlock = locks.lock_records(key)
+            if not locks.try_lock(locks.file(), lock):
+                return False
+            self._unlocks[key] = unlock
         self._held[key] = 0  # taken; its token comes with grant()
         self._taken.append(key)
         return True
@@ -212,6 +256,25 @@ class SQLiteClaims:
     def grant(self, key: str, token: int) -> None:
         """Give the claim on ``key`` taken by :meth:`take` its fence token."""
         self._held[key] = token
+
+    def tokens(self, epoch: int, count: int) -> tuple[int, int | None]:
+        """Fence tokens for ``count`` claims granted now, and the epoch to record (or None).
+
+        ``epoch`` is the file's claim epoch, read under the transaction's write lock.
+        A token is ``epoch << 32 | serial``. While the file's epoch is still the one
+        this store took last, no other store has issued a token since, so this
+        store's serials keep increasing on it and nothing is written; otherwise
+        it takes the next epoch (written in this transaction). So tokens increase
+        across every store sharing the file, and a transaction of claims writes
+        no page of its own unless another process claimed in between.
+        """
+        new: int | None = None
+        if not self._epoch or epoch != self._epoch or self._serial + count >= 1 << 32:
+            new = epoch + 1
+            self._epoch, self._serial = new, 0
+        first = self._epoch << 32 | (self._serial + 1)
+        self._serial += count
+        return first, new
 
     def current(self, key: str, token: int) -> bool:
         """Whether ``token`` is the claim this process holds on ``key``."""
@@ -224,11 +287,16 @@ class SQLiteClaims:
         """Forget the claim on ``key`` and unlock it (waking this process's own watchers)."""
         if self._held.pop(key, None) is None:
             return
-        if self.locks is None:
+        locks = self.locks
+        if locks is None:
             self._wake(key)  # no lock file: watchers of this process are woken here
             return
+        unlock = self._unlocks.pop(key, None)
         try:
-            self.locks.release(key)
+            if unlock is None:
+                locks.release(key)
+            else:
+                locks.unlock(locks.file(), unlock)
         except OSError as exc:  # the lock goes with the file at exit anyway
             logger.error("porch: releasing the claim on an idempotency key failed: %s", exc)
 
@@ -239,6 +307,9 @@ class SQLiteClaims:
     def rolled_back(self) -> None:
         """The transaction rolled back: the claims it took are ended."""
         taken, self._taken = self._taken, []
+        # Its epoch write (if any) is undone, so another store may take that epoch
+        # next: this store takes a fresh one at its next claim.
+        self._epoch = self._serial = 0
         for key in taken:
             if self._held.get(key) is not None:
                 self.end(key)
@@ -296,5 +367,6 @@ class SQLiteClaims:
                     waker.cancelled = True
             self._watches.clear()
         self._held.clear()
+        self._unlocks.clear()
         if self.locks is not None:
             self.locks.close()

@@ -45,7 +45,14 @@ _UPSERT_RESPONSE = (
     " expires = excluded.expires, stored_wall = excluded.stored_wall,"
     " scope = excluded.scope, size = excluded.size"
 )
+# The claim epoch (the row was named when it held a plain counter; schema 3 created it).
+_SELECT_EPOCH = "SELECT value FROM porch_meta WHERE name = 'claim_token'"
+_UPDATE_EPOCH = "UPDATE porch_meta SET value = ? WHERE name = 'claim_token'"
 _PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
+# sqlite3 binds int, float, str and bytearray directly, but sends bytes through its
+# adapter lookup (a registry probe and two failed attribute lookups, ~1 us each): a
+# small blob is cheaper copied into a bytearray. A big one is not worth the copy.
+_COPY_BELOW = 64 << 10
 _SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
 _US = "\x1f"
 
@@ -122,19 +129,21 @@ def _apply_reads(
             else:
                 claimed.append(op)
     if claimed:
-        first = _next_tokens(conn, len(claimed))
+        first = _next_tokens(conn, len(claimed), claims)
         for i, op in enumerate(claimed):
             op.token = first + i
             claims.grant(op.key, op.token)
 
 
-def _next_tokens(conn: sqlite3.Connection, count: int) -> int:
+def _next_tokens(conn: sqlite3.Connection, count: int, claims: SQLiteClaims) -> int:
     """Reserve ``count`` fence tokens; the first. Strictly increasing for the file, across
-    processes: the counter is read and written under the transaction's write lock."""
-    (last,) = conn.execute("SELECT value FROM porch_meta WHERE name = 'claim_token'").fetchone()
-    last = int(last)
-    conn.execute("UPDATE porch_meta SET value = ? WHERE name = 'claim_token'", (str(last + count),))
-    return last + 1
+    processes: the epoch is read (and, when another store claimed since, written) under
+    the transaction's write lock (see SQLiteClaims.tokens)."""
+    (epoch,) = conn.execute(_SELECT_EPOCH).fetchone()
+    first, new = claims.tokens(int(epoch), count)
+    if new is not None:
+        conn.execute(_UPDATE_EPOCH, (str(new),))
+    return first
 
 
 def _select_responses(
@@ -254,13 +263,14 @@ def _apply_writes(
             if not usage.admit(op.scope, size, op.quota):
                 op.outcome = "quota"
                 continue
+        body = response.body
         rows.append(
             (
                 op.key,
-                response.digest,
+                bytearray(response.digest),
                 response.status,
                 headers,
-                response.body,
+                bytearray(body) if len(body) <= _COPY_BELOW else body,
                 now,
                 now + op.ttl,
                 wall,
