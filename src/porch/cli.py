@@ -101,7 +101,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from .demo import CONFIG_ENV, DemoConfig
+    from .demo.config import CONFIG_ENV, DemoConfig
     from .pool import KeyPool
     from .rules import Limit
 

@@ -1,0 +1,70 @@
+"""The storefront's own orders: this host's table, in its own SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .._files import private_directory, private_file, tighten
+
+__all__ = ["Orders"]
+
+
+class Orders:
+    """The storefront's own orders table, in its own SQLite file, written from one thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-orders")
+        self._local = threading.local()
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            private_directory(self.path.parent)
+            private_file(self.path)  # the shop's orders are nobody else's business either
+            for suffix in ("", "-wal", "-shm"):
+                tighten(self.path.with_name(self.path.name + suffix))
+            conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " item TEXT NOT NULL, qty INTEGER NOT NULL)"
+            )
+            self._local.conn = conn
+        return conn
+
+    def _insert(self, item: str, qty: int) -> int:
+        cur = self._conn().execute("INSERT INTO orders (item, qty) VALUES (?, ?)", (item, qty))
+        return int(cur.lastrowid or 0)
+
+    def _page(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        conn = self._conn()
+        # One read transaction: the total and the page describe the same moment.
+        conn.execute("BEGIN")
+        try:
+            (total,) = conn.execute("SELECT COUNT(*) FROM orders").fetchone()
+            rows = conn.execute(
+                "SELECT id, item, qty FROM orders WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+            ).fetchall()
+        finally:
+            conn.execute("COMMIT")
+        return int(total), [{"id": r[0], "item": r[1], "qty": r[2]} for r in rows]
+
+    async def insert(self, item: str, qty: int) -> int:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._insert, item, qty
+        )
+
+    async def page(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """The total number of orders, and up to ``limit`` orders with ids after ``after``."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._page, after, limit
+        )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
