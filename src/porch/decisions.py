@@ -46,9 +46,11 @@ class CompiledRule:
         "amounts",
         "counters",
         "limit_bytes",
+        "limit_header",
         "limits",
         "names",
         "policy_header",
+        "policy_pair",
         "prefixes",
         "rule",
         "status_prefixes",
@@ -69,6 +71,9 @@ class CompiledRule:
         self.policy_header = ", ".join(
             f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
         ).encode("ascii")
+        # The two headers that never change for a one-limit rule, built once.
+        self.limit_header = (b"x-ratelimit-limit", self.limit_bytes[0])
+        self.policy_pair = (b"ratelimit-policy", self.policy_header)
 
 
 def remembered_hit(
@@ -99,10 +104,10 @@ def decide(
         left = amounts[0] - counts[0]
         reset = resets[0] if resets[0] < windows[0] else windows[0]
         return [
-            (b"x-ratelimit-limit", compiled.limit_bytes[0]),
+            compiled.limit_header,
             (b"x-ratelimit-remaining", b"%d" % left),
             (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + reset)),
-            (b"ratelimit-policy", compiled.policy_header),
+            compiled.policy_pair,
             (
                 b"ratelimit",
                 compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(reset) or 1),
@@ -126,7 +131,7 @@ def decide(
         (b"x-ratelimit-limit", compiled.limit_bytes[i]),
         (b"x-ratelimit-remaining", b"%d" % remaining[i]),
         (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
-        (b"ratelimit-policy", compiled.policy_header),
+        compiled.policy_pair,
         (b"ratelimit", status),
     ]
     if hit.allowed:

@@ -216,8 +216,29 @@ class RateLimitMiddleware:
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
         memory = self._memory
         hit: Hit | PorchError | None = None
-        if memory is None:
-            hit = await self._ask_store(keys, compiled, client)
+        if not memory:
+            # Nothing remembered (or no memory): straight to the store. This is the common
+            # path, so it asks the store itself instead of through _ask_store's coroutine.
+            pool = self.pool
+            hit = Hit(keys, compiled.amounts, compiled.windows)
+            try:
+                future = asyncio.get_running_loop().create_future()
+                try:
+                    pool.submit(client, _HitCall(future, hit))
+                except PoolClosedError:
+                    if pool.started:
+                        raise
+                    await pool.start()  # the first request on this loop starts the actors
+                    pool.submit(client, _HitCall(future, hit))
+                await future
+            except SaturatedError as exc:
+                self._unavailable("saturated", exc, client, compiled, exc.shard)
+                hit = exc
+            except (StoreError, PoolClosedError) as exc:
+                self._unavailable("store", exc, client, compiled, None)
+                hit = exc
+            if memory is not None and isinstance(hit, Hit) and not hit.allowed:
+                memory.remember(keys[0], hit.counts, hit.resets)
         else:
             while True:
                 recalled = memory.recall(keys[0])

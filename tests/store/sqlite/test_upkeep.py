@@ -16,6 +16,7 @@ from porch.clock import ManualClock
 from porch.store.base import Hit, Lookup, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.schema import migrate
+from porch.store.sqlite.upkeep import FREE_PAGES
 
 pytestmark = pytest.mark.anyio
 
@@ -140,6 +141,31 @@ async def test_lookups_alone_prune_expired_responses(tmp_path: Path, clock: Manu
         await store.apply([Lookup("s\x1fother")])
         await store.apply([Hit(["k"], [1], [60.0])])
         assert count_responses(store.path) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_store_never_idle_gives_pages_back_between_decisions(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # upkeep_after is long: only the busy writer's own give-back (on every few
+    # transactions, while more than FREE_PAGES are free) can shrink the file here.
+    store = SQLiteStore(tmp_path, clock=clock, upkeep_after=3600)
+    await store.open()
+    try:
+        for i in range(4):
+            await store.apply([Save(f"s\x1f{i}-{j}", response(64 * 1024), 10.0) for j in range(25)])
+        clock.advance(11)
+        await store.apply([Hit(["k"], [10**6], [60.0])])
+        await store.apply([Hit(["k"], [10**6], [60.0])])
+        assert count_responses(store.path) == 0
+        full_pages, free = file_pages(store.path)
+        assert free > FREE_PAGES
+        for _ in range(200):
+            await store.apply([Hit(["k"], [10**6], [60.0])])
+        pages, free = file_pages(store.path)
+        assert free <= FREE_PAGES
+        assert pages < full_pages
     finally:
         await store.close()
 

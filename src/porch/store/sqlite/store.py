@@ -45,6 +45,9 @@ logger = logging.getLogger("porch.store")
 # How long close() at interpreter exit waits for the writer to finish its last batch.
 _EXIT_JOIN = 10.0
 
+# A busy writer counts the file's free pages on every this many transactions.
+_FREELIST_EVERY = 8
+
 _Job = tuple[Sequence[StoreOp], "asyncio.Future[None]"]
 
 
@@ -357,10 +360,12 @@ class SQLiteStore:
             now = self.clock.monotonic()
             wall = self.clock.wall()
             apply_batch(conn, ops, now, wall, self.prune_batch, claims)
-            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
-            if free > FREE_PAGES:
-                # A busy store is never idle: give back a little at a time.
-                give_back(conn, UPKEEP_PAGES // 4)
+            if self._transactions % _FREELIST_EVERY == 0:
+                # A busy store is never idle: give back a little at a time. Looked at
+                # on every few transactions only: it is one more statement each time.
+                (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+                if free > FREE_PAGES:
+                    give_back(conn, UPKEEP_PAGES // 4)
             conn.execute("COMMIT")
         except BaseException:
             try:

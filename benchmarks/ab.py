@@ -1,0 +1,119 @@
+"""Before/after of a change, in one interleaved run: this checkout against another revision.
+
+    python benchmarks/ab.py [--base main] [--variants bare,limiter] [--connections 1,64]
+                            [--rounds 3] [--duration 3]
+
+The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
+directory and put first on the servers' ``PYTHONPATH``; this checkout's runs
+use its own. Every point (connections, variant, tree) is measured in each
+round, interleaved, each ratio taken against the bare app of the same round
+and connection count. Per request it also reports CPU microseconds of the
+event loop's thread and of the others (the SQLite writer), and cyclic-GC
+passes per 1000 requests, read as in benchmarks/cpu.py. Prints; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _harness import ROOT, Server, load
+from cpu import thread_cpu
+
+
+def export(rev: str, into: Path) -> Path:
+    """``rev``'s src tree under ``into``; the path to put on PYTHONPATH."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def measure(
+    variant: str, src: Path | None, connections: int, duration: int, tmp: Path
+) -> dict[str, Any]:
+    data = Path(tempfile.mkdtemp(dir=tmp))
+    env = {"PYTHONPATH": f"{src}:{ROOT}"} if src is not None else None
+    server = Server(variant, data, env=env)
+    try:
+        load(server.url, "/", "", connections=connections, duration=1, tmp=tmp)
+        pid = server.pids()[0]
+        gc0 = server.stats()["gc_collections"]
+        before = thread_cpu(pid)
+        r = load(server.url, "/", "", connections=connections, duration=duration, tmp=tmp)
+        after = thread_cpu(pid)
+        gc1 = server.stats()["gc_collections"]
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    n = max(1, int(r["requests"]))
+    loop_us = other_us = 0.0
+    for tid, (user, system, _) in after.items():
+        u0, s0, _ = before.get(tid, (0.0, 0.0, 0))
+        us = ((user - u0) + (system - s0)) * 1e6 / n
+        if tid == pid:
+            loop_us += us
+        else:
+            other_us += us
+    return {
+        "rps": r["rps"],
+        "p99_ms": r["p99_ms"],
+        "loop_us": loop_us,
+        "other_us": other_us,
+        "gc0": (gc1[0] - gc0[0]) * 1000 / n,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--base", default="main", help="git revision to compare against")
+    parser.add_argument("--variants", default="bare,limiter", help="bench app variants")
+    parser.add_argument("--connections", default="1,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=int, default=3)
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    conns = [int(c) for c in args.connections.split(",")]
+    runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="porch-ab-") as tmpdir:
+        tmp = Path(tmpdir)
+        base_src = export(args.base, tmp)
+        trees: list[tuple[str, Path | None]] = [("base", base_src), ("this", None)]
+        for round_ in range(args.rounds):
+            for c in conns:
+                bare: float | None = None
+                for variant in variants:
+                    for tree, src in trees if variant != "bare" else trees[1:]:
+                        r = measure(variant, src, c, args.duration, tmp)
+                        if variant == "bare":
+                            bare = r["rps"]
+                        r["ratio"] = r["rps"] / bare if bare else float("nan")
+                        runs.setdefault((c, variant, tree), []).append(r)
+                        print(
+                            f"round {round_ + 1} c={c:<4} {variant:14} {tree:5} "
+                            f"{r['rps']:8.0f} rps  ratio {r['ratio']:.3f}  p99 {r['p99_ms']:6.2f}"
+                            f" ms  loop {r['loop_us']:5.1f} us  other {r['other_us']:4.1f} us"
+                            f"  gc0/1000 {r['gc0']:5.2f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+    print(f"medians over {args.rounds} rounds (base = {args.base}, this = {ROOT}):")
+    for (c, variant, tree), rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(
+            f"c={c:<4} {variant:14} {tree:5} {med['rps']:8.0f} rps  ratio {med['ratio']:.3f}"
+            f"  p99 {med['p99_ms']:6.2f} ms  loop {med['loop_us']:5.1f} us"
+            f"  other {med['other_us']:4.1f} us  gc0/1000 {med['gc0']:5.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
