@@ -184,3 +184,57 @@ async def test_the_operator_finds_resets_and_purges_a_clients_counters(
     report = await admin.purge()
     assert (report.counters, report.responses) == (1, 0)  # the 1 s window only
     assert BOB in full_rows(store.path)
+
+
+def version_4_file(path: Path, clock: ManualClock, bodies: dict[str, bytes]) -> None:
+    """A file of schema version 4: responses in a WITHOUT ROWID table, with byte totals."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number in range(4):
+        for statement in sqlite_schema.statements(sqlite_schema._MIGRATIONS[number]):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 4")
+    conn.execute("INSERT INTO porch_meta VALUES ('boot_id', ?)", (clock.boot_id(),))
+    now = clock.monotonic()
+    for key, body in bodies.items():
+        scope = key.split(US, 1)[0]
+        conn.execute(
+            "INSERT INTO responses (key, digest, status, headers, body, stored_at, expires,"
+            " stored_wall, scope, size) VALUES (?, x'0102', 201, '[]', ?, ?, ?, ?, ?, ?)",
+            (key, body, now, now + 60, clock.wall(), scope, len(key) + 2 + 2 + len(body)),
+        )
+    conn.close()
+
+
+async def test_a_version_4_file_keeps_its_responses_and_byte_totals(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # Catches: responses or their byte totals lost or doubled by the move to a rowid
+    # table (the copy must fire no trigger), triggers missing on the new table.
+    from porch.store.base import Lookup, Save, StoredResponse
+
+    path = tmp_path / "porch.sqlite3"
+    bodies = {f"a{US}k1": b"x" * 5000, f"a{US}k2": b"y" * 70_000, f"b{US}k": b""}
+    version_4_file(path, clock, bodies)
+    store = SQLiteStore(tmp_path, clock=clock)
+    await store.open()
+    try:
+        lookups = [Lookup(key) for key in bodies]
+        await store.apply(lookups)
+        assert [op.result.body if op.result else None for op in lookups] == list(bodies.values())
+        with sqlite3.connect(path) as conn:
+            totals = dict(conn.execute("SELECT scope, bytes FROM response_bytes"))
+        assert totals == {"a": (4 + 4 + 5000) + (4 + 4 + 70_000), "b": 3 + 4}
+        await store.apply([Save(f"b{US}k2", StoredResponse(b"\x01\x02", 201, (), b"z" * 10), 1.0)])
+        clock.advance(61.0)  # every row expires; a lookup of one prunes the rest
+        await store.apply([Lookup(f"a{US}k1")])
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT count(*) FROM responses").fetchone()[0] == 0
+        assert conn.execute("SELECT bytes FROM response_total").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM response_bytes").fetchone()[0] == 0
+        # A rowid table, the body its last column (see migration 5).
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(responses)")]
+        assert columns[0] == "id"
+        assert columns[-1] == "body"
+    assert (await store.admin().check()).healthy

@@ -143,6 +143,52 @@ _MIGRATIONS: tuple[str, ...] = (
         DELETE FROM counts WHERE name = old.name AND client = old.client;
     END;
     """,
+    # 5: stored responses in a rowid table, the body last. In a WITHOUT ROWID table every
+    # b-tree cell holds the whole row, and a lookup compares whole records: with
+    # megabyte bodies each seek (a claim's lookup, a save's upsert) read the bodies of
+    # the rows it passed through their overflow chains, about 1.8 ms per claim with 100
+    # stored 1 MiB responses against 0.1 ms empty. Now the key's index holds only keys,
+    # and the columns before the body are read without walking its overflow pages.
+    # Rows, byte totals and expiry keep their values (the copy fires no trigger).
+    """
+    CREATE TABLE responses_v5 (
+        id          INTEGER PRIMARY KEY,
+        key         TEXT NOT NULL UNIQUE,
+        digest      BLOB NOT NULL,
+        status      INTEGER NOT NULL,
+        headers     TEXT NOT NULL,
+        stored_at   REAL NOT NULL,
+        expires     REAL NOT NULL,
+        stored_wall REAL NOT NULL,
+        scope       TEXT NOT NULL DEFAULT '',
+        size        INTEGER NOT NULL DEFAULT 0,
+        body        BLOB NOT NULL
+    );
+    INSERT INTO responses_v5
+        (key, digest, status, headers, stored_at, expires, stored_wall, scope, size, body)
+        SELECT key, digest, status, headers, stored_at, expires, stored_wall, scope, size, body
+        FROM responses ORDER BY expires;
+    DROP TABLE responses;
+    ALTER TABLE responses_v5 RENAME TO responses;
+    CREATE INDEX responses_expires ON responses (expires);
+    CREATE TRIGGER responses_bytes_insert AFTER INSERT ON responses BEGIN
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes + new.size;
+    END;
+    CREATE TRIGGER responses_bytes_delete AFTER DELETE ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        UPDATE response_total SET bytes = bytes - old.size;
+    END;
+    CREATE TRIGGER responses_bytes_update AFTER UPDATE OF scope, size ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes - old.size + new.size;
+    END;
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
