@@ -74,10 +74,14 @@ class ListenerClaims:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        elif task is not None and not task.done():
+            # Its loop stopped (the store moved to this one): it never runs again.
+            with contextlib.suppress(RuntimeError):
+                task.cancel()
         self._drop_connection()
         for watches in list(self._watchers.values()):
             for w in watches:
@@ -89,7 +93,8 @@ class ListenerClaims:
         conn, self._conn = self._conn, None
         self.connected.clear()
         if conn is not None and not conn.is_closed():
-            conn.terminate()  # never waits on a server that does not answer
+            with contextlib.suppress(RuntimeError):  # a connection of a closed loop
+                conn.terminate()  # never waits on a server that does not answer
 
     async def _listen(self) -> None:
         delay = 0.1
@@ -116,9 +121,11 @@ class ListenerClaims:
                 logger.info("porch: LISTEN connection to PostgreSQL is back")
                 self._wake_all()
             first = False
-            await lost.wait()
+            try:
+                await lost.wait()
+            finally:  # cancelled too (stop(), or the loop shutting down): closed on this loop
+                self._drop_connection()
             logger.warning("porch: LISTEN connection to PostgreSQL lost; reconnecting")
-            self._drop_connection()
 
     def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         watches = self._watchers.pop(payload, None)

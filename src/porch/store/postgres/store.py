@@ -101,6 +101,7 @@ class PostgresStore:
         statement_timeout: float = 4.0,
         prune_batch: int = 64,
         in_flight: int = 2,
+        application_name: str = "porch",
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigurationError(
@@ -133,6 +134,7 @@ class PostgresStore:
         self.statement_timeout = float(statement_timeout)
         self.prune_batch = prune_batch
         self.in_flight = in_flight
+        self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
         self.claims = ListenerClaims(self._connect, self.channel, self.lease)
         self._sql = (
@@ -141,6 +143,7 @@ class PostgresStore:
             + ")"
         )
         self._queue: asyncio.Queue[_Job | None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
         self._workers: list[asyncio.Task[None]] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._held: dict[str, int] = {}  # claims this process holds: key -> token
@@ -158,7 +161,7 @@ class PostgresStore:
                     timeout=self.connect_timeout,
                     command_timeout=None,
                     server_settings={
-                        "application_name": "porch",
+                        "application_name": self.application_name,
                         "statement_timeout": str(int(self.statement_timeout * 1000)),
                         "idle_in_transaction_session_timeout": str(
                             int(self.statement_timeout * 1000)
@@ -198,7 +201,7 @@ class PostgresStore:
         if version == 0:
             logger.info("porch: created the PostgreSQL schema %r", self.schema)
         self._queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         first: list[Any] = [conn]
         for i in range(self.connections):
             self._workers.append(
@@ -210,6 +213,9 @@ class PostgresStore:
     async def close(self) -> None:
         queue = self._queue
         if queue is None:
+            return
+        if self._loop is not asyncio.get_running_loop():
+            await self._close_after_loop()
             return
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -228,6 +234,36 @@ class PostgresStore:
             queue.put_nowait(None)
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
+        await self.claims.stop()
+
+    async def _close_after_loop(self) -> None:
+        """close() on another loop, once the one the store ran on stopped (the pool moved).
+
+        That loop's tasks never run again, so none of them is awaited or woken
+        here (that would raise "Event loop is closed"). Its workers and listener
+        closed their connections as the loop shut down (its runner cancels every
+        task); this process's claims are ended on a connection of this loop.
+        """
+        self._queue = None
+        for task in (self._heartbeat, *self._workers):
+            if task is not None and not task.done():
+                with contextlib.suppress(RuntimeError):  # its loop is closed
+                    task.cancel()
+        self._heartbeat = None
+        self._workers.clear()
+        held, self._held = self._held, {}
+        if held:
+            ops: list[_Op] = [Release(key, token) for key, token in sorted(held.items())]
+            try:
+                conn = await self._connect()
+                try:
+                    await asyncio.wait_for(
+                        conn.fetch(self._sql, *self._arguments(ops, {})), self.statement_timeout
+                    )
+                finally:
+                    await _close(conn)
+            except Exception as exc:
+                logger.warning("porch: could not end this process's claims on close: %r", exc)
         await self.claims.stop()
 
     def admin(self) -> PostgresAdmin:

@@ -1,0 +1,66 @@
+"""The PostgreSQL store closed after its event loop stopped: quiet, and no connection left open."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from porch import KeyPool, Limit, RateLimitMiddleware, Rule, open_store
+
+pytestmark = pytest.mark.postgres
+
+asyncpg = pytest.importorskip("asyncpg")
+
+
+async def settled_connections(url: str, name: str, at_most: int) -> int:
+    """Connections named ``name``, once at most ``at_most`` (a closed one's backend exits soon)."""
+    conn = await asyncpg.connect(url)
+    try:
+        for _ in range(100):
+            count = int(
+                await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
+                )
+            )
+            if count <= at_most:
+                break
+            await asyncio.sleep(0.05)
+        return count
+    finally:
+        await conn.close()
+
+
+def test_each_loop_change_closes_the_old_connections_quietly(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TestClient without ``with``: every request runs on a loop of its own, then it stops."""
+    name = f"porch-loops-{uuid.uuid4().hex[:8]}"
+    schema = f"loops_{uuid.uuid4().hex[:12]}"
+    store = open_store(postgres_url, schema=schema, connections=2, application_name=name)
+    pool = KeyPool(store, size=2)
+
+    async def hello(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    app = RateLimitMiddleware(
+        Starlette(routes=[Route("/", hello)]), pool=pool, rules=Rule(Limit(100, 60.0))
+    )
+    client = TestClient(app)
+    caplog.set_level(logging.WARNING)
+    for _ in range(6):
+        assert client.get("/").status_code == 200
+    # The last loop's store is still open: its two workers and its listener at most.
+    assert asyncio.run(settled_connections(postgres_url, name, 3)) <= 3
+    problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert problems == []
+    asyncio.run(pool.close())  # from yet another loop: quiet too
+    assert asyncio.run(settled_connections(postgres_url, name, 0)) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
