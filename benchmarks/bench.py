@@ -7,7 +7,8 @@ and loads it with wrk pinned to CPU 1 (where there are two), over loopback.
 Cases run interleaved round by round (A B C ... A B C ...) so drift on a noisy
 machine hits them alike; each ratio is taken between measurements of the same
 round, and the report gives medians. Store transactions per request come from
-the server's own pool statistics. Writes benchmarks/results.json.
+the server's own pool statistics. The cases are benchmarks/cases.py. Writes
+benchmarks/results.json.
 """
 
 from __future__ import annotations
@@ -21,15 +22,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from _harness import (
-    BODY,
     ROOT,
-    Postgres,
-    Redis,
     Server,
     connection_split,
     load,
@@ -37,218 +34,8 @@ from _harness import (
     machine,
     versions,
 )
-
-GET = ""
-POST = f"""
-wrk.method = "POST"
-wrk.body = '{BODY}'
-wrk.headers["Content-Type"] = "application/json"
-"""
-POST_NEW_KEY = f"""
-local n = 0
-local id = "@NONCE@"  -- fresh per run: the warm-up's keys are never replayed
-request = function()
-  n = n + 1
-  return wrk.format("POST", "/orders", {{["Content-Type"] = "application/json",
-    ["Idempotency-Key"] = "k-" .. id .. "-" .. n}}, '{BODY}')
-end
-"""
-POST_SAME_KEY = POST + 'wrk.headers["Idempotency-Key"] = "the-one-key"\n'
-# The handler's stand-in for a database query (benchmarks/apps.py): milliseconds awaited.
-IO_MS = 2
-IO = {"BENCH_IO_MS": str(IO_MS)}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    variant: str
-    lua: str
-    baseline: str
-    what: str
-    path: str = "/"
-    workers: int = 1
-    redis: str = ""  # "", or the Redis server's appendfsync: "everysec" or "always"
-    postgres: bool = False  # a PostgreSQL server on loopback (fsync and synchronous_commit on)
-    env: dict[str, str] = field(default_factory=dict)
-
-
-CASES = (
-    Case("bare", "bare", GET, "bare", "Starlette hello world, GET /"),
-    Case(
-        "bare-headers",
-        "bare-headers",
-        GET,
-        "bare",
-        "bare app sending the limiter's five headers itself (their cost alone)",
-    ),
-    Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
-    Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
-    Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),
-    Case(
-        "slowapi-redis",
-        "slowapi-redis",
-        GET,
-        "bare",
-        "slowapi, Redis storage (appendfsync everysec)",
-        redis="everysec",
-    ),
-    Case(
-        "slowapi-redis-fsync",
-        "slowapi-redis",
-        GET,
-        "bare",
-        "slowapi, Redis with appendfsync always",
-        redis="always",
-    ),
-    Case(
-        "limiter-redis",
-        "limiter-redis",
-        GET,
-        "bare",
-        "porch limiter, Redis store (appendfsync everysec)",
-        redis="everysec",
-    ),
-    Case(
-        "limiter-redis-fsync",
-        "limiter-redis",
-        GET,
-        "bare",
-        "porch limiter, Redis store with appendfsync always",
-        redis="always",
-    ),
-    Case("bare-post", "bare", POST, "bare-post", "POST /orders, no idempotency", "/orders"),
-    Case(
-        "idem-first",
-        "idempotency",
-        POST_NEW_KEY,
-        "bare-post",
-        "porch idempotency, a new key per request",
-        "/orders",
-    ),
-    Case(
-        "idem-replay",
-        "idempotency",
-        POST_SAME_KEY,
-        "bare-post",
-        "porch idempotency, one key (replays)",
-        "/orders",
-    ),
-    Case(
-        "idem-first-redis",
-        "idempotency-redis",
-        POST_NEW_KEY,
-        "bare-post",
-        "porch idempotency, Redis store (everysec), a new key per request",
-        "/orders",
-        redis="everysec",
-    ),
-    Case(
-        "idem-first-redis-fsync",
-        "idempotency-redis",
-        POST_NEW_KEY,
-        "bare-post",
-        "porch idempotency, Redis store (always), a new key per request",
-        "/orders",
-        redis="always",
-    ),
-    Case(
-        "idem-replay-redis",
-        "idempotency-redis",
-        POST_SAME_KEY,
-        "bare-post",
-        "porch idempotency, Redis store (everysec), one key (replays)",
-        "/orders",
-        redis="everysec",
-    ),
-    Case(
-        "idem-replay-redis-fsync",
-        "idempotency-redis",
-        POST_SAME_KEY,
-        "bare-post",
-        "porch idempotency, Redis store (always), one key (replays)",
-        "/orders",
-        redis="always",
-    ),
-    Case(
-        "peer-idem-first",
-        "peer-idempotency",
-        POST_NEW_KEY,
-        "bare-post",
-        "asgi-idempotency-header (memory), a new key per request",
-        "/orders",
-    ),
-    Case(
-        "peer-idem-replay",
-        "peer-idempotency",
-        POST_SAME_KEY,
-        "bare-post",
-        "asgi-idempotency-header (memory), one key",
-        "/orders",
-    ),
-    Case(
-        "limiter-postgres",
-        "limiter-postgres",
-        GET,
-        "bare",
-        "porch limiter on PostgreSQL (loopback, synchronous_commit on)",
-        postgres=True,
-    ),
-    Case(
-        "idem-first-postgres",
-        "idempotency-postgres",
-        POST_NEW_KEY,
-        "bare-post",
-        "porch idempotency on PostgreSQL, a new key per request",
-        "/orders",
-        postgres=True,
-    ),
-    Case(
-        "idem-replay-postgres",
-        "idempotency-postgres",
-        POST_SAME_KEY,
-        "bare-post",
-        "porch idempotency on PostgreSQL, one key (replays)",
-        "/orders",
-        postgres=True,
-    ),
-    # A realistic handler: it awaits ~2 ms of I/O (asyncio.sleep, standing in for a
-    # database query) before it answers, so the ratio is the one a user with a real
-    # app sees. Each is compared with the bare app running the same handler.
-    Case("bare-io", "bare", GET, "bare-io", "bare, GET / awaiting ~2 ms of I/O", env=IO),
-    Case("limiter-io", "limiter", GET, "bare-io", "porch limiter, handler awaiting ~2 ms", env=IO),
-    Case(
-        "bare-post-io",
-        "bare",
-        POST,
-        "bare-post-io",
-        "POST /orders awaiting ~2 ms of I/O, no idempotency",
-        "/orders",
-        env=IO,
-    ),
-    Case(
-        "idem-first-io",
-        "idempotency",
-        POST_NEW_KEY,
-        "bare-post-io",
-        "porch idempotency, a new key per request, handler awaiting ~2 ms",
-        "/orders",
-        env=IO,
-    ),
-    Case(
-        "idem-replay-io",
-        "idempotency",
-        POST_SAME_KEY,
-        "bare-post-io",
-        "porch idempotency, one key (replays: the handler does not run)",
-        "/orders",
-        env=IO,
-    ),
-    Case("bare-2w", "bare", GET, "bare-2w", "bare, 2 workers", workers=2),
-    Case("limiter-2w", "limiter", GET, "bare-2w", "porch limiter, 2 workers", workers=2),
-    Case("bare-4w", "bare", GET, "bare-4w", "bare, 4 workers", workers=4),
-    Case("limiter-4w", "limiter", GET, "bare-4w", "porch limiter, 4 workers", workers=4),
-)
+from _stores import Postgres, Redis
+from cases import CASES, Case
 
 
 def measure(

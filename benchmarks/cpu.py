@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, Server, load, machine, versions
-from bench import GET, POST, POST_NEW_KEY, POST_SAME_KEY
+from cases import GET, POST, POST_NEW_KEY, POST_SAME_KEY
 
 CASES = (
     ("bare", "bare", "/", GET),

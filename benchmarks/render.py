@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from charts import charts
+from targets import BOUNDS, target_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,6 +81,10 @@ def _when(stamp: str) -> datetime.datetime | None:
     return when if when.tzinfo is not None else None
 
 
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
 def run_lines(
     report: dict[str, Any], curves: dict[str, Any] | None, cpu: dict[str, Any] | None
 ) -> list[str]:
@@ -95,9 +100,9 @@ def run_lines(
     )
     if one_run:
         total = sum(seconds for _, seconds in took)
-        detail = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in took)
+        detail = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in took)
         return [
-            f"`./scripts/bench.sh` measured all of this in one run of {total / 60:.0f} minutes "
+            f"`./scripts/bench.sh` measured all of this in one run of {_minutes(total)} "
             f"on {report['machine']['cpus']} CPUs ({detail}; render.py draws in seconds)."
         ]
     dates = ", ".join(
@@ -134,172 +139,6 @@ def peer_lines(report: dict[str, Any]) -> list[str]:
         if ours in by and peer in by:
             out.append(f"- {ours} / {peer}: {by[ours]['rps'] / by[peer]['rps']:.2f}×")
     return out
-
-
-def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
-    """Every target set for porch's speed, each checked against the measurements."""
-    by = {r["variant"]: r for r in report["results"]}
-    out: list[str] = []
-
-    def check(label: str, got: float | None, goal: float, *, at_most: bool = False) -> None:
-        if got is None:
-            return
-        met = got <= goal if at_most else got >= goal
-        out.append(f"- {label}: {got:.3f} — {'met' if met else '**missed**'}")
-
-    def ratio(a: str, b: str) -> float | None:
-        return by[a]["rps"] / by[b]["rps"] if a in by and b in by else None
-
-    def vs_bare(a: str) -> float | None:
-        return by[a]["ratio_to_bare"] if a in by else None
-
-    check("limiter ≥ 0.80× bare", vs_bare("limiter"), 0.80)
-    check("limiter ≥ 1.6× slowapi in-memory", ratio("limiter", "slowapi-memory"), 1.6)
-    check("limiter, durability=power ≥ 0.60× bare", vs_bare("limiter-power"), 0.60)
-    check(
-        "limiter, durability=power ≥ 4× slowapi with Redis",
-        ratio("limiter-power", "slowapi-redis"),
-        4.0,
-    )
-    # The Redis rows: slowapi on the same Redis server settings (appendfsync).
-    for suffix, setting in (("", "everysec"), ("-fsync", "always")):
-        check(
-            f"limiter on Redis ({setting}) ≥ 3× slowapi on Redis ({setting})",
-            ratio(f"limiter-redis{suffix}", f"slowapi-redis{suffix}"),
-            3.0,
-        )
-        check(f"limiter on Redis ({setting}) ≥ 0.45× bare", vs_bare(f"limiter-redis{suffix}"), 0.45)
-        if f"limiter-redis{suffix}" in by:
-            check(
-                f"limiter on Redis ({setting}): pipelines per request at 64 connections ≤ 0.1",
-                by[f"limiter-redis{suffix}"]["txn_per_request"],
-                0.1,
-                at_most=True,
-            )
-    check("idempotent replays ≥ 0.90× bare POST", vs_bare("idem-replay"), 0.90)
-    check("keyed first executions ≥ 0.60× bare POST", vs_bare("idem-first"), 0.60)
-    if "limiter" in by:
-        check(
-            "limiter's added p99 at 64 connections ≤ 2 ms (ms)",
-            by["limiter"]["added_p99_ms"],
-            2.0,
-            at_most=True,
-        )
-        check(
-            "limiter's store transactions per request at 64 connections ≤ 0.1",
-            by["limiter"]["txn_per_request"],
-            0.1,
-            at_most=True,
-        )
-    check("limiter on PostgreSQL ≥ 0.40× bare", vs_bare("limiter-postgres"), 0.40)
-    check(
-        "limiter on PostgreSQL ≥ 3× slowapi with Redis",
-        ratio("limiter-postgres", "slowapi-redis"),
-        3.0,
-    )
-    check(
-        "idempotent replays on PostgreSQL ≥ 0.80× bare POST", vs_bare("idem-replay-postgres"), 0.80
-    )
-    for row in ("limiter-postgres", "idem-first-postgres", "idem-replay-postgres"):
-        if row in by:
-            check(
-                f"{row}: transactions per request at 64 connections ≤ 0.1",
-                by[row]["txn_per_request"],
-                0.1,
-                at_most=True,
-            )
-    if curves is None:
-        return out
-    # The concurrency curve: bare and limiter interleaved at each point (curves.py).
-    at = {c["connections"]: c for c in curves.get("concurrency", [])}
-    if 1 in at:
-        check("limiter ≥ 0.60× bare at 1 connection", at[1]["ratio"], 0.60)
-    if 256 in at:
-        check("limiter ≥ 0.65× bare at 256 connections", at[256]["ratio"], 0.65)
-        check(
-            f"limiter's p99 at 256 connections under 15 ms (ms; the bare app's: "
-            f"{at[256]['bare']['p99_ms']:.2f})",
-            at[256]["limiter"]["p99_ms"],
-            15.0,
-            at_most=True,
-        )
-    keys = curves.get("keys", [])
-    if keys and keys[-1]["keys"] == 1_000_000:
-        check(
-            "throughput at 1,000,000 distinct keys within 20% of 1 key (ratio)",
-            keys[-1]["ratio_to_one_key"],
-            0.80,
-        )
-    if curves.get("churn", {}).get("samples"):
-        samples = curves["churn"]["samples"]
-        half = samples[len(samples) // 2 :]
-        growth = max(x["db_mb"] for x in half) / max(samples[len(samples) // 2]["db_mb"], 1e-9)
-        check("store file under churn: growth over the second half (×)", growth, 1.2, at_most=True)
-        rss = max(x["rss_mb"] for x in half) / max(samples[len(samples) // 2]["rss_mb"], 1e-9)
-        check("RSS under churn: growth over the second half (×)", rss, 1.2, at_most=True)
-    return out
-
-
-BOUNDS = """## What bounds the targets not met
-
-- **PostgreSQL rows.** A batch is one call of the store's function, one
-  transaction with `synchronous_commit` on: its commit waits for a WAL flush.
-  One shard has one batch in flight, and the benchmark's single client is one
-  counter key (or one idempotency key) on one shard, so that shard's round trip
-  — the function's work, the flush, and PostgreSQL sharing CPU 1 with wrk —
-  bounds the row; requests per transaction (about 32 at 64 connections) is what
-  group commit buys back. A batch of replays takes no lock and writes nothing,
-  so it skips the flush. A new key costs two batches (the claim, then the save).
-
-The server has one core, so throughput is set by the CPU each request costs
-the server, on every thread together: see "Where the CPU goes" below for the
-measured split between the event loop and the SQLite writer thread.
-
-- **The headers.** The limiter must add five headers to every response
-  (`X-RateLimit-*`, `RateLimit-Policy`, `RateLimit`). The `bare-headers` row is
-  the bare app sending those same five headers itself, with nothing counted:
-  uvicorn's per-header handling alone takes that share of a hello-world
-  response, which leaves little room under a 0.80× target for the counting.
-- **A durable decision costs a round trip.** Each limited request is parked
-  until its group commit is done: a future, a message to its shard, a task
-  switch back, and its share of one transaction (about one per 30 requests at
-  64 connections). That is Python work on the same core as the app. At 1 and 4
-  connections there is almost nothing to group and each request waits for its
-  own commit: the concurrency curve shows it. The added p99 follows from the
-  same queueing: a request waits for the commit in progress, then its own.
-- **Distinct keys.** With one hot key a group commit rewrites one b-tree page;
-  with thousands of distinct clients it rewrites one page per client in the
-  group, and SQLite writes each page to the WAL as its own frame. Within a
-  window porch writes only the count (the expiry index stays out of the commit),
-  but new clients are inserts, and every checkpoint copies those scattered
-  pages back into the database file. That is the drop in the keys curve.
-- **Workers on one core.** uvicorn's workers share one listening socket, and
-  the kernel does not spread connections evenly over them: the split recorded
-  above changes from round to round and is rarely even. A worker with a
-  handful of connections has little to group and commits nearly once per
-  request, on the same core as the busy one; compare each round's split with
-  its req/s. So the `-2w` and `-4w` rows swing more than anything else here
-  (the bare rows do not care how connections are spread). Counting stays exact
-  across workers (the gate proves it).
-- **First executions** make two round trips through their shard and the store
-  (the lookup under the key's lock, then the stored response, committed before
-  the response's last chunk leaves), a lock and an unlock of the key's byte in
-  the lock file, the capture of the response, and a new row (a b-tree insert
-  and an index insert) per request. Each of those was profiled and trimmed
-  (see the commit log: taking the key lock without releasing the GIL alone cut
-  first executions' CPU by about a fifth); what is left is the work itself.
-- **Waiting keeps a request alive.** The bare app finishes each request
-  within one step of the loop, so its objects die young and CPython's cyclic
-  garbage collector almost never runs (the GC column below). A request that
-  waits for a commit, twice for a first execution with the app's whole call
-  chain suspended on its last chunk, is alive across loop iterations, and at 64
-  connections that brings on collections. Any handler that awaits real I/O (a
-  database query) pays the same, which the hello-world baseline does not show
-  and the `-io` rows' baselines do.
-
-Not traded away for speed: every variant above runs with the same durability
-and exactness that the end-to-end gate proves.
-"""
 
 
 def curves_text(curves: dict[str, Any]) -> list[str]:

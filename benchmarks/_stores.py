@@ -1,0 +1,120 @@
+"""Throwaway Redis and PostgreSQL servers on loopback, for the rows that use them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import free_port, pin
+
+
+class Redis:
+    """A throwaway redis-server on loopback.
+
+    ``appendfsync``: None keeps no AOF; ``"everysec"`` appends every write and
+    syncs once a second; ``"always"`` syncs every write before replying.
+    """
+
+    def __init__(self, *, appendfsync: str | None = None) -> None:
+        if not shutil.which("redis-server"):
+            raise RuntimeError("redis-server not found (apt-get install redis-server)")
+        self.dir = tempfile.mkdtemp(prefix="porch-bench-redis-")
+        self.port = free_port()
+        durability = (
+            ["--appendonly", "no"]
+            if appendfsync is None
+            else ["--appendonly", "yes", "--appendfsync", appendfsync]
+        )
+        self.proc = subprocess.Popen(
+            [
+                *pin(1),
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                *durability,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Postgres:
+    """A throwaway PostgreSQL cluster on loopback, with production durability.
+
+    ``fsync`` and ``synchronous_commit`` keep their defaults (on): a commit
+    waits for its WAL to reach the disk, as in production. initdb refuses to
+    run as root, so as root the cluster runs as the ``postgres`` OS user.
+    """
+
+    def __init__(self) -> None:
+        bindir = _postgres_bin()
+        if bindir is None:
+            raise RuntimeError("PostgreSQL not found (apt-get install postgresql)")
+        self.dir = Path(tempfile.mkdtemp(prefix="porch-bench-pg-"))
+        self.port = free_port()
+        user: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            import pwd
+
+            account = pwd.getpwnam("postgres")
+            os.chown(self.dir, account.pw_uid, account.pw_gid)
+            user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+        self._pg_ctl = [str(bindir / "pg_ctl"), "-D", str(self.dir / "data")]
+        self._user = user
+        subprocess.run(
+            [str(bindir / "initdb"), "-A", "trust", "-U", "postgres", "-D", str(self.dir / "data")],
+            check=True, capture_output=True, **user,
+        )  # fmt: skip
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.dir}"
+            " -c max_connections=200"
+        )
+        # Started under taskset so the server shares CPU 1 with the load, like Redis.
+        subprocess.run(
+            [*pin(1), *self._pg_ctl, "-l", str(self.dir / "log"), "-o", options, "-w", "start"],
+            check=True, capture_output=True, **user,
+        )  # fmt: skip
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        subprocess.run(
+            [*self._pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, **self._user
+        )
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _postgres_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: p.parts[-3])
+    if found:
+        return found[-1].parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
