@@ -1,15 +1,16 @@
 """Before/after of a change, in one interleaved run: this checkout against another revision.
 
-    python benchmarks/ab.py [--base main] [--variants bare,limiter] [--connections 1,64]
-                            [--rounds 3] [--duration 3]
+    python benchmarks/ab.py [--base main] [--head REV] [--variants bare,limiter]
+                            [--connections 1,64] [--rounds 3] [--duration 3]
 
 The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
 directory and put first on the servers' ``PYTHONPATH``; this checkout's runs
-use its own. Every point (connections, variant, tree) is measured in each
-round, interleaved, each ratio taken against the bare app of the same round
-and connection count. Per request it also reports CPU microseconds of the
-event loop's thread and of the others (the SQLite writer), and cyclic-GC
-passes per 1000 requests, read as in benchmarks/cpu.py. Prints; writes nothing.
+use its own (or ``--head``'s, exported alike). Every point (connections,
+variant, tree) is measured in each round, interleaved, each ratio taken against
+the bare app of the same round and connection count. Per request it also
+reports CPU microseconds of the event loop's thread and of the others (the
+SQLite writer), and cyclic-GC passes per 1000 requests, read as in
+benchmarks/cpu.py. Prints; writes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cpu import thread_cpu
 
 def export(rev: str, into: Path) -> Path:
     """``rev``'s src tree under ``into``; the path to put on PYTHONPATH."""
+    into.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True
     ).stdout
@@ -74,6 +76,7 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base", default="main", help="git revision to compare against")
+    parser.add_argument("--head", default="", help="git revision to measure (default: this tree)")
     parser.add_argument("--variants", default="bare,limiter", help="bench app variants")
     parser.add_argument("--connections", default="1,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -84,8 +87,9 @@ def main() -> int:
     runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="porch-ab-") as tmpdir:
         tmp = Path(tmpdir)
-        base_src = export(args.base, tmp)
-        trees: list[tuple[str, Path | None]] = [("base", base_src), ("this", None)]
+        base_src = export(args.base, tmp / "base")
+        head_src = export(args.head, tmp / "head") if args.head else None
+        trees: list[tuple[str, Path | None]] = [("base", base_src), ("this", head_src)]
         for round_ in range(args.rounds):
             for c in conns:
                 bare: float | None = None
@@ -104,7 +108,8 @@ def main() -> int:
                             file=sys.stderr,
                             flush=True,
                         )
-    print(f"medians over {args.rounds} rounds (base = {args.base}, this = {ROOT}):")
+    head = args.head or ROOT
+    print(f"medians over {args.rounds} rounds (base = {args.base}, this = {head}):")
     for (c, variant, tree), rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(
