@@ -67,7 +67,8 @@ def _fcntl_keeping_gil() -> Callable[[int, int, bytes], int] | None:
         function = ctypes.PyDLL(None, use_errno=True).fcntl
     except (ImportError, OSError, AttributeError):  # no ctypes, or no fcntl symbol
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p)
+    # No argtypes: ctypes passes an int as a C int and bytes as a pointer to its buffer by
+    # itself, and converting through declared argtypes cost as much as the syscall.
     function.restype = ctypes.c_int
     return function
 
