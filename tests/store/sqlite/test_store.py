@@ -356,3 +356,30 @@ async def test_a_version_2_file_gets_scopes_sizes_and_totals(
         assert per_scope == {"alice": (8 + 32 + 2 + 100) + (8 + 32 + 2 + 50), "bob": 5 + 32 + 2}
         total = check.execute("SELECT bytes FROM response_total").fetchone()[0]
         assert total == sum(per_scope.values())
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        (),
+        ((b"content-type", b"application/json"),),
+        ((b"location", b"/a?b=1&c=[2]"), (b"etag", b"W/x")),
+        ((b"etag", b'"quoted"'),),
+        ((b"x", b"back\\slash"),),
+        ((b"x", b"caf\xe9"),),
+        ((b"x", b"tab\there"),),
+        ((b"x", b"\x7f"),),
+        ((b"x", b""),),
+    ],
+)
+def test_stored_headers_are_exactly_their_json(headers: tuple[tuple[bytes, bytes], ...]) -> None:
+    # Sizes count these bytes against quotas, and rows stored before read the same way.
+    import json
+
+    from porch.store.sqlite.ops import headers_json
+
+    stored = headers_json(headers)
+    assert stored == json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
+    assert [(k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(stored)] == list(
+        headers
+    )
