@@ -16,7 +16,7 @@ from porch.clock import ManualClock
 from porch.store.base import Hit, Lookup, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.schema import migrate
-from porch.store.sqlite.upkeep import FREE_PAGES
+from porch.store.sqlite.upkeep import FREE_PAGES, WAL_LIMIT
 
 pytestmark = pytest.mark.anyio
 
@@ -203,3 +203,37 @@ async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
         assert count_responses(store.path) == 20
     finally:
         await store.close()
+
+
+async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
+    tmp_path: Path,
+) -> None:
+    # Catches: checkpoints turned off on the writer with nothing else copying the WAL back
+    # (it would hold every page written, ~120 MiB here), or a WAL that never restarts;
+    # counts lost by checkpoints running beside the writer.
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    wal = store.path.with_name(store.path.name + "-wal")
+    peak = 0
+
+    async def client(n: int) -> None:  # eight at once: the writer always has a batch
+        nonlocal peak
+        for batch in range(n, 300, 8):
+            await store.apply(
+                [
+                    Hit([f"rl\x1fr\x1f9-per-60s\x1f10.{batch % 256}.{batch // 256}.{i}"], [9], [60])
+                    for i in range(100)
+                ]
+            )
+            peak = max(peak, wal.stat().st_size)
+
+    try:
+        await asyncio.gather(*(client(n) for n in range(8)))  # 30,000 new clients
+        hits = [Hit(["rl\x1fr\x1f9-per-60s\x1f10.5.0.7"], [9], [60])]
+        await store.apply(hits)
+        assert hits[0].counts == [2]
+    finally:
+        await store.close()
+    assert peak < 8 * WAL_LIMIT, f"WAL grew to {peak / 2**20:.1f} MiB"
+    with sqlite3.connect(store.path) as conn:
+        assert conn.execute("SELECT count(*) FROM counts").fetchone()[0] == 30_000

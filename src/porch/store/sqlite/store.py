@@ -33,7 +33,15 @@ from ..base import Claims, Durability, Release, Save, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
 from .ops import apply_batch
 from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
-from .upkeep import FREE_PAGES, UPKEEP_PAGES, WAL_LIMIT, FairBatches, give_back, upkeep
+from .upkeep import (
+    FREE_PAGES,
+    UPKEEP_PAGES,
+    WAL_LIMIT,
+    Checkpoints,
+    FairBatches,
+    give_back,
+    upkeep,
+)
 
 if TYPE_CHECKING:
     from .admin import SQLiteAdmin
@@ -107,6 +115,7 @@ class SQLiteStore:
         self.clock: Clock = clock if clock is not None else SystemClock()
         # Used only from the writer thread.
         self._log = EventLog(logger)
+        self._checkpoint_log = (threading.Lock(), EventLog(logger))
         # Idempotency owners of every process sharing this file lock keys here.
         self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
         self.claims: Claims = self._claims
@@ -261,13 +270,35 @@ class SQLiteStore:
             failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
             _call_soon(loop, _settle, ready, failed)
             return
+        checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed)
+        checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
         _call_soon(loop, _settle, ready, None)
         try:
-            self._serve(conn)
+            self._serve(conn, checkpoints)
         finally:
+            checkpoints.stop()  # first: the last connection to close checkpoints the WAL
             conn.close()
 
-    def _serve(self, conn: sqlite3.Connection) -> None:
+    def _checkpointer(self) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+        )
+
+    def _checkpoint_failed(self, exc: sqlite3.Error) -> None:
+        with self._checkpoint_log[0]:  # from the writer's thread or the checkpointer's
+            self._checkpoint_log[1].event(
+                logging.WARNING,
+                "checkpoint",
+                self.clock.monotonic(),
+                60.0,
+                "porch: WAL checkpoint of %s failed: %s",
+                self.path,
+                exc,
+                cause="store",
+                store=str(self.path),
+            )
+
+    def _serve(self, conn: sqlite3.Connection, checkpoints: Checkpoints) -> None:
         """Group commits until close(); upkeep when idle (see :mod:`.upkeep`)."""
         get = self._queue.get
         get_nowait = self._queue.get_nowait
@@ -281,6 +312,7 @@ class SQLiteStore:
                     job = get(timeout=self.upkeep_after) if idle_work else get()
                 except queue.Empty:
                     idle_work = self._upkeep(conn)
+                    checkpoints.committed(conn)
                     continue
                 if job is None:
                     stopping = True
@@ -301,6 +333,7 @@ class SQLiteStore:
             jobs = fair.next_transaction(arrived)
             if jobs:
                 self._run(conn, jobs)
+                checkpoints.committed(conn)  # after the replies are on their way
             if stopping and not fair:
                 return
 

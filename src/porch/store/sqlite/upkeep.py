@@ -7,19 +7,21 @@ applying batches.
 - Fair group commits: a batch that saves more than ``BIG_BATCH`` bytes of
   responses never holds up the small batches (decisions) queued with it, and
   big batches share a transaction only up to ``COMMIT_BYTES``.
+- Checkpoints off the commit path: see :class:`Checkpoints`.
 """
 
 from __future__ import annotations
 
 import collections
 import sqlite3
+import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from ..base import Save, StoreOp
 from .ops import prune_expired
 
-__all__ = ["FREE_PAGES", "WAL_LIMIT", "FairBatches", "give_back", "upkeep"]
+__all__ = ["FREE_PAGES", "WAL_LIMIT", "Checkpoints", "FairBatches", "give_back", "upkeep"]
 
 BIG_BATCH = 64 * 1024
 COMMIT_BYTES = 1 << 20
@@ -96,3 +98,102 @@ def upkeep(conn: sqlite3.Connection, now: Callable[[], float]) -> bool:
             conn.execute("ROLLBACK")
         raise
     return pruned >= UPKEEP_ROWS or freed >= UPKEEP_PAGES
+
+
+# WAL checkpoints off the commit path (see Checkpoints): at most one background
+# checkpoint per this many seconds while commits come.
+CHECKPOINT_PACE = 0.1
+
+
+class Checkpoints:
+    """Keeps the WAL near ``WAL_LIMIT`` without checkpoints on the commit path.
+
+    SQLite's automatic checkpoint runs inside the COMMIT that takes the WAL past
+    its limit: that commit copies every page in the WAL into the database file and
+    waits for two fsyncs (the WAL's, then the file's), and every decision queued
+    behind it waits too. With many distinct clients each commit adds a page per
+    new client, so this came every few dozen commits. Here the writer connection
+    never checkpoints by itself (``wal_autocheckpoint = 0``); a thread of its own,
+    on its own connection, runs PASSIVE checkpoints (the copy and both fsyncs) while
+    the writer goes on committing (sqlite3 releases the GIL meanwhile): at most
+    every ``CHECKPOINT_PACE`` seconds while the WAL is short, back to back once it
+    is past half its limit. The WAL restarts from its start only when
+    a write transaction begins after every frame was copied, which a busy writer
+    never leaves the background time to reach; so once a background checkpoint
+    saw more than ``WAL_LIMIT`` in the WAL, the writer copies the few frames added
+    since, between two of its transactions: still PASSIVE, never waiting for a
+    reader (``porch inspect``), so other processes' writers may delay the restart
+    to the next round, as with SQLite's own checkpoints.
+    """
+
+    __slots__ = ("_catch_up", "_connect", "_failed", "_limit", "_nudge", "_stopping", "_thread")
+
+    def __init__(
+        self,
+        connect: Callable[[], sqlite3.Connection],
+        failed: Callable[[sqlite3.Error], None],
+    ) -> None:
+        self._connect = connect
+        self._failed = failed  # called from either thread; must be thread-safe
+        self._nudge = threading.Event()
+        self._stopping = threading.Event()
+        self._catch_up = False
+        self._limit = WAL_LIMIT // 4096
+        self._thread: threading.Thread | None = None
+
+    def start(self, writer: sqlite3.Connection, name: str) -> None:
+        """Open the thread's connection, turn the writer's own checkpoints off and start
+        the thread. If that connection cannot be opened, the writer keeps SQLite's
+        automatic checkpoints (raises nothing)."""
+        try:
+            conn = self._connect()
+        except sqlite3.Error as exc:
+            self._failed(exc)
+            return
+        (page_size,) = writer.execute("PRAGMA page_size").fetchone()
+        self._limit = max(1, WAL_LIMIT // int(page_size))
+        writer.execute("PRAGMA wal_autocheckpoint = 0")
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=name, daemon=True)
+        self._thread.start()
+
+    def committed(self, writer: sqlite3.Connection) -> None:
+        """After each of the writer's transactions: wake the thread, or catch up."""
+        if self._catch_up:
+            self._catch_up = False
+            try:
+                writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            except sqlite3.Error as exc:
+                self._failed(exc)
+        elif self._thread is not None and not self._nudge.is_set():
+            self._nudge.set()
+
+    def stop(self) -> None:
+        """Stop the thread (before the writer closes: the last connection checkpoints)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._thread = None
+        self._stopping.set()
+        self._nudge.set()
+        thread.join()
+
+    def _run(self, conn: sqlite3.Connection) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._nudge.wait()
+                self._nudge.clear()
+                if self._stopping.is_set():
+                    return
+                try:
+                    _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as exc:
+                    self._failed(exc)
+                    frames = self._limit
+                if frames >= self._limit:
+                    self._catch_up = True
+                if frames < self._limit // 2:
+                    # A short WAL can wait; a long one is copied back to back (its
+                    # length is bounded by what the writer adds during one copy).
+                    self._stopping.wait(CHECKPOINT_PACE)
+        finally:
+            conn.close()
