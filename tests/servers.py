@@ -107,6 +107,24 @@ def _wait_port(port: int, timeout: float, alive: Any) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
+def _wait_redis_ready(port: int, timeout: float, alive: Any) -> None:
+    """Until PING answers +PONG: Redis accepts connections while it still loads its
+    AOF/RDB, and answers every command with -LOADING until it is done."""
+    deadline = time.monotonic() + timeout
+    last = b""
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited while loading its data")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
+            s.settimeout(1.0)
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            last = s.recv(1024)
+            if last.startswith(b"+PONG"):
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server on 127.0.0.1:{port} not ready after {timeout} s: {last!r}")
+
+
 # -- PostgreSQL ------------------------------------------------------------------
 
 
@@ -296,6 +314,9 @@ class RedisServer:
             )
             try:
                 _wait_port(port, _START_TIMEOUT, lambda p=process: p.poll() is None)
+                # Listening is not ready: after a restart it answers -LOADING until
+                # its AOF is replayed, so wait for a real PONG.
+                _wait_redis_ready(port, _START_TIMEOUT, lambda p=process: p.poll() is None)
             except RuntimeError:
                 process.kill()
                 process.wait()

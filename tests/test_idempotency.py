@@ -448,21 +448,69 @@ async def test_two_pools_on_one_store_run_a_key_once(tmp_path: Path) -> None:
     assert {r.status_code for r in responses} == {201}
 
 
+class WatchedClaims:
+    """A store's real claims, noting when a caller parks on another holder's claim."""
+
+    def __init__(self, claims: Any) -> None:
+        self.claims = claims
+        self.watching = asyncio.Event()
+
+    def watch(
+        self, key: str, wake: Callable[[], None], retry_after: float | None
+    ) -> Callable[[], None]:
+        cancel: Callable[[], None] = self.claims.watch(key, wake, retry_after)
+        self.watching.set()
+        return cancel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.claims, name)
+
+
 @pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 async def test_a_failed_owner_in_one_pool_hands_over_to_the_other(tmp_path: Path) -> None:
-    handler = Handler()
-    handler.latency = 0.2
-    handler.fail_first = 1
-    async with two_pools(tmp_path, handler) as clients:
+    # The order is driven, not slept on: the first pool's owner is held inside the
+    # handler (so it holds the key's claim) until the second pool's caller is seen
+    # parked on that claim; only then does the owner fail and hand over.
+    owner_runs, gate = asyncio.Event(), asyncio.Event()
+    inner = Handler()
+    inner.fail_first = 1
+
+    async def handler(scope: Scope, receive: Receive, send: Send) -> None:
+        if not owner_runs.is_set():  # the first owner: it holds the claim while held here
+            owner_runs.set()
+            await gate.wait()
+        await inner(scope, receive, send)
+
+    pools = [KeyPool(SQLiteStore(tmp_path), size=2) for _ in range(2)]
+    watched = WatchedClaims(pools[1].store.claims)
+    pools[1].store.claims = watched
+    clients = [
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=IdempotencyMiddleware(handler, pool=p)),
+            base_url="http://t",
+            cookies=no_cookies(),
+        )
+        for p in pools
+    ]
+    try:
         first = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.05)
-        second = await clients[1].post("/o", content=b"b", headers=keyed())
+        await asyncio.wait_for(owner_runs.wait(), 30)  # pool 0 holds the key's claim
+        second = asyncio.create_task(clients[1].post("/o", content=b"b", headers=keyed()))
+        await asyncio.wait_for(watched.watching.wait(), 30)
+        assert not first.done()
+        assert not second.done()
+        gate.set()
         assert (await first).status_code == 500
-        assert second.status_code == 201
-        assert handler.calls == 2
+        assert (await second).status_code == 201
+        assert inner.calls == 2
         replay = await clients[0].post("/o", content=b"b", headers=keyed())
         assert replay.headers["idempotent-replayed"] == "true"
-        assert replay.content == second.content
+        assert replay.content == (await second).content
+    finally:
+        for c in clients:
+            await c.aclose()
+        for p in pools:
+            await p.close()
 
 
 async def test_stored_responses_expire_after_their_ttl(tmp_path: Path) -> None:
