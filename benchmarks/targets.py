@@ -112,14 +112,23 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
 
 BOUNDS = """## What bounds the targets not met
 
-- **PostgreSQL rows.** A batch is one call of the store's function, one
-  transaction with `synchronous_commit` on: its commit waits for a WAL flush.
-  One shard has one batch in flight, and the benchmark's single client is one
-  counter key (or one idempotency key) on one shard, so that shard's round trip
-  — the function's work, the flush, and PostgreSQL sharing CPU 1 with wrk —
-  bounds the row; requests per transaction (about 32 at 64 connections) is what
-  group commit buys back. A batch of replays takes no lock and writes nothing,
-  so it skips the flush. A new key costs two batches (the claim, then the save).
+- **PostgreSQL and Redis rows.** A batch is one call of the store's function
+  (one transaction with `synchronous_commit` on: a commit that wrote waits for
+  a WAL flush) or one pipeline. The benchmark's single client is one counter
+  key (or one idempotency key) on one shard. That shard keeps two batches out
+  at once (`Store.in_flight`: it sends the next while the last is on the wire,
+  replying in order), and the requests of one client in a batch go to the
+  server as one step with a count (the first k that fit are allowed), so the
+  server's work per batch no longer grows with the batch. What is left is
+  the app's own CPU (CPU 0: the HTTP work plus the driver's encoding and
+  decoding) and, on CPU 1, the server sharing the core with wrk: PostgreSQL's
+  function call (its statements' executor start-up and the WAL flush; their
+  plans are now generic, cached for the session, which took a quarter of its
+  CPU per call off) and Redis's script runs. A new key costs two batches (the
+  claim, then the save). Replays: one claim per key is out at a time (every
+  other request for that key parks behind it and is answered with it), and a
+  batch of replays takes no lock, writes nothing, skips the flush and returns
+  right after its one read, so that claim's round trip bounds the row.
 
 The server has one core, so throughput is set by the CPU each request costs
 the server, on every thread together: see "Where the CPU goes" below for the

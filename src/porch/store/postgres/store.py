@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigurationError, StoreError
+from ..alike import collapse_hits, settle_alike
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp, StoreStatistics
 from .claims import ListenerClaims
 from .schema import migrate, quote_schema
@@ -343,7 +344,7 @@ class PostgresStore:
         try:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
-            sent, alike = _collapse(ops)
+            sent, alike = collapse_hits(ops)
             rows = await asyncio.wait_for(
                 conn.fetch(self._sql, *self._arguments(sent, alike)), self.statement_timeout + 0.5
             )
@@ -458,17 +459,9 @@ class PostgresStore:
             code = row[1]
             kind = type(op)
             if kind is Hit:
-                # code: how many of the alike hits were allowed, in turn; row[4]: the
-                # counts before them, so the j-th sees each count + min(j, allowed).
-                before = row[4]
-                resets = row[5]
+                # code: how many of the alike hits were allowed; row[4]: counts before them.
                 group: Sequence[Any] = alike.get(i - 1) or (op,)
-                for j, hit in enumerate(group, 1):
-                    hit.allowed = j <= code
-                    step = j if j < code else code
-                    hit.counts = [c + step for c in before]
-                    hit.resets = list(resets)
-                    hit.wall = wall
+                settle_alike(group, code, row[4], row[5], wall)
             elif kind is Lookup:
                 lookup: Any = op
                 lookup.result = _stored(row) if code == 1 else None
@@ -497,34 +490,6 @@ class PostgresStore:
                 renew.renewed = code == 1
                 if not renew.renewed and held.get(renew.key) == renew.token:
                     del held[renew.key]  # lost (taken over): stop renewing it
-
-
-def _collapse(ops: list[_Op]) -> tuple[list[_Op], dict[int, list[Hit]]]:
-    """The ops to send: alike hits (same counters, amounts, windows) sent once, with a count.
-
-    n requests of one client in a batch cost the server one step instead of n;
-    they are still decided in arrival order (the first k that fit are allowed).
-    Returns the ops to send and, per sent hit standing for several, the hits it
-    stands for. Hits whose counters overlap without being alike are sent apart.
-    """
-    sent: list[_Op] = []
-    alike: dict[int, list[Hit]] = {}
-    first: dict[tuple[Any, ...], int] = {}
-    owner: dict[str, tuple[Any, ...]] = {}
-    for op in ops:
-        if type(op) is Hit:
-            shape = (tuple(op.keys), tuple(op.amounts), tuple(op.windows))
-            at = first.get(shape)
-            if at is not None:
-                alike[at].append(op)
-                continue
-            for key in op.keys:
-                if owner.setdefault(key, shape) != shape:
-                    return list(ops), {}  # a counter shared by unlike hits: keep every step
-            first[shape] = len(sent)
-            alike[len(sent)] = [op]
-        sent.append(op)
-    return sent, alike
 
 
 def _stored(row: Any) -> StoredResponse:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ...errors import ConfigurationError, StoreError
+from ..alike import collapse_hits, settle_alike
 from ..base import (
     Claim,
     Hit,
@@ -249,8 +250,12 @@ class RedisStore:
         group = self._group
         if group is None:
             raise StoreError("the Redis store is not open")
+        # Alike hits (one client of one rule) go as one script call with a count.
+        sent, alike = collapse_hits(ops)
         try:
-            results = await group.run([self._command(op) for op in ops])
+            results = await group.run(
+                [self._command(op, alike.get(i)) for i, op in enumerate(sent)]
+            )
             for result in results:
                 if isinstance(result, Exception):
                     raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
@@ -258,13 +263,13 @@ class RedisStore:
             self._failures += 1
             raise
         self._operations += len(ops)
-        for op, result in zip(ops, results, strict=True):
-            self._settle(op, result)
+        for i, (op, result) in enumerate(zip(sent, results, strict=True)):
+            self._settle(op, result, alike.get(i))
 
-    def _command(self, op: StoreOp) -> _Command:
+    def _command(self, op: StoreOp, alike: list[Hit] | None = None) -> _Command:
         names = self.names
         if type(op) is Hit:
-            args: list[bytes | str | int] = []
+            args: list[bytes | str | int] = [1 if alike is None else len(alike)]
             for amount, window in zip(op.amounts, op.windows, strict=True):
                 args += [amount, max(1, math.ceil(window * 1000))]
             return ("hit", [names.counter(k) for k in op.keys], args)
@@ -296,13 +301,18 @@ class RedisStore:
             return ("release", [names.record(op.key)], [str(op.token), names.channel, op.key])
         raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
 
-    def _settle(self, op: StoreOp, result: Any) -> None:
+    def _settle(self, op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
         if type(op) is Hit:
+            # result: how many of the alike hits were allowed, the time, the counts
+            # before them, the milliseconds left of each window.
             n = len(op.keys)
-            op.allowed = result[0] == 1
-            op.wall = result[1] / 1000.0
-            op.counts = [int(c) for c in result[2 : 2 + n]]
-            op.resets = [r / 1000.0 for r in result[2 + n : 2 + 2 * n]]
+            settle_alike(
+                alike if alike is not None else (op,),
+                int(result[0]),
+                [int(c) for c in result[2 : 2 + n]],
+                [r / 1000.0 for r in result[2 + n : 2 + 2 * n]],
+                result[1] / 1000.0,
+            )
         elif type(op) is Lookup:
             digest, status, headers, body = result
             op.result = None if digest is None else _stored(digest, status, headers, body)
