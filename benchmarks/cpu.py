@@ -56,6 +56,13 @@ def thread_cpu(pid: int) -> dict[int, tuple[float, float, int]]:
     return out
 
 
+def label(rank: int, is_loop: bool) -> str:
+    """A thread's role, from its rank by CPU (see measure)."""
+    if is_loop:
+        return "event loop"
+    return "store writer" if rank == 1 else "store helpers"
+
+
 def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
     server = Server(variant, data)
@@ -71,14 +78,21 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
         server.stop()
         shutil.rmtree(data, ignore_errors=True)
     n = result["requests"]
-    threads = []
+    busy = []
     for tid, (user, system, switches) in after.items():
         u0, s0, c0 = before.get(tid, (0.0, 0.0, 0))
         if (user - u0) + (system - s0) < 0.01:
             continue  # idle helper threads
+        busy.append((tid != pid, -((user - u0) + (system - s0)), tid, user, system, switches))
+    # CPython 3.11 does not name OS threads: the loop is the main thread, the busiest
+    # other one is the store's writer, the rest its helpers (the SQLite checkpointer).
+    busy.sort()
+    threads = []
+    for i, (_, _, tid, user, system, switches) in enumerate(busy):
+        u0, s0, c0 = before.get(tid, (0.0, 0.0, 0))
         threads.append(
             {
-                "thread": "event loop" if tid == pid else "store writer",
+                "thread": label(i, tid == pid),
                 "user_us": round((user - u0) * 1e6 / n, 1),
                 "system_us": round((system - s0) * 1e6 / n, 1),
                 "switches": round((switches - c0) / n, 3),

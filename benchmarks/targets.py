@@ -150,8 +150,11 @@ measured split between the event loop and the SQLite writer thread.
   with thousands of distinct clients it rewrites one page per client in the
   group, and SQLite writes each page to the WAL as its own frame. Within a
   window porch writes only the count (the expiry index stays out of the commit),
-  but new clients are inserts, and every checkpoint copies those scattered
-  pages back into the database file. That is the drop in the keys curve.
+  but new clients are inserts. Counter rows are compact (the rule and limit
+  stored once, rows keyed by name and client, `WITHOUT ROWID`) and checkpoints
+  run on a thread of their own, off the commit path; what is left is one
+  dirtied page per new client in each commit, about 10-13 µs of writer CPU on
+  the same core as the app. That is the drop in the keys curve.
 - **Workers on one core.** uvicorn's workers share one listening socket, and
   the kernel does not spread connections evenly over them: the split recorded
   above changes from round to round and is rarely even. A worker with a
