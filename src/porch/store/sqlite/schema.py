@@ -20,6 +20,28 @@ __all__ = [
     "statements",
 ]
 
+# The triggers that keep stored bytes per scope and in total exact (migration 3); a
+# migration that rebuilds the responses table (5) creates them again, the same.
+_RESPONSE_BYTES_TRIGGERS = """
+    CREATE TRIGGER responses_bytes_insert AFTER INSERT ON responses BEGIN
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes + new.size;
+    END;
+    CREATE TRIGGER responses_bytes_delete AFTER DELETE ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        UPDATE response_total SET bytes = bytes - old.size;
+    END;
+    CREATE TRIGGER responses_bytes_update AFTER UPDATE OF scope, size ON responses BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes - old.size + new.size;
+    END;
+"""
+
 # Times: ``window_start``, ``stored_at`` and ``expires`` are seconds on the
 # monotonic clock of the boot recorded in porch_meta; ``wall_start`` and
 # ``stored_wall`` are Unix seconds at the same moment, used only to rebase the
@@ -80,24 +102,8 @@ _MIGRATIONS: tuple[str, ...] = (
         bytes INTEGER NOT NULL
     );
     INSERT INTO response_total (id, bytes) SELECT 1, COALESCE(SUM(size), 0) FROM responses;
-    CREATE TRIGGER responses_bytes_insert AFTER INSERT ON responses BEGIN
-        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
-            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
-        UPDATE response_total SET bytes = bytes + new.size;
-    END;
-    CREATE TRIGGER responses_bytes_delete AFTER DELETE ON responses BEGIN
-        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
-        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
-        UPDATE response_total SET bytes = bytes - old.size;
-    END;
-    CREATE TRIGGER responses_bytes_update AFTER UPDATE OF scope, size ON responses BEGIN
-        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
-        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
-        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
-            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
-        UPDATE response_total SET bytes = bytes - old.size + new.size;
-    END;
-    """,
+    """
+    + _RESPONSE_BYTES_TRIGGERS,
     # 4: compact counter rows. A counter key is ``rl US rule US limit US client``: its
     # first three fields (the prefix, one per rule and limit) are stored once in
     # counter_names, and a row of ``counts`` holds the prefix's small id and the client
@@ -171,24 +177,8 @@ _MIGRATIONS: tuple[str, ...] = (
     DROP TABLE responses;
     ALTER TABLE responses_v5 RENAME TO responses;
     CREATE INDEX responses_expires ON responses (expires);
-    CREATE TRIGGER responses_bytes_insert AFTER INSERT ON responses BEGIN
-        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
-            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
-        UPDATE response_total SET bytes = bytes + new.size;
-    END;
-    CREATE TRIGGER responses_bytes_delete AFTER DELETE ON responses BEGIN
-        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
-        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
-        UPDATE response_total SET bytes = bytes - old.size;
-    END;
-    CREATE TRIGGER responses_bytes_update AFTER UPDATE OF scope, size ON responses BEGIN
-        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
-        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
-        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
-            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
-        UPDATE response_total SET bytes = bytes - old.size + new.size;
-    END;
-    """,
+    """
+    + _RESPONSE_BYTES_TRIGGERS,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
