@@ -19,6 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..._tasks import cancel_and_wait
+
 __all__ = ["ListenerClaims"]
 
 logger = logging.getLogger("porch.store.postgres")
@@ -75,9 +77,7 @@ class ListenerClaims:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None and task.get_loop() is asyncio.get_running_loop():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         elif task is not None and not task.done():
             # Its loop stopped (the store moved to this one): it never runs again.
             with contextlib.suppress(RuntimeError):
@@ -101,13 +101,16 @@ class ListenerClaims:
         first = True
         while True:
             lost = asyncio.Event()
+            conn: Any = None
             try:
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await asyncio.wait_for(conn.add_listener(self.channel, self._notified), 5.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                if conn is not None and not conn.is_closed():
+                    conn.terminate()  # made, but not listening: never left open
+                if not isinstance(exc, Exception):
+                    raise
                 logger.warning("porch: cannot LISTEN on PostgreSQL (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)

@@ -35,6 +35,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits, settle_alike
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp, StoreStatistics
@@ -219,9 +220,7 @@ class PostgresStore:
             await self._close_after_loop()
             return
         if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+            await cancel_and_wait(self._heartbeat)
             self._heartbeat = None
         if self._held:
             # End this process's claims now, rather than at their lease's end.

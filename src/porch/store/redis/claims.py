@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..._tasks import cancel_and_wait
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
@@ -109,9 +111,7 @@ class RedisClaims:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         for watches in list(self.watches.values()):
             for watch in list(watches):
                 watch.cancel()

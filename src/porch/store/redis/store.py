@@ -16,7 +16,6 @@ most, and its late Save is refused (fenced) once another owner took the key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -25,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits, settle_alike
 from ..base import (
@@ -211,9 +211,7 @@ class RedisStore:
         if group is not None:
             self._transactions += group.pipelines
         if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+            await cancel_and_wait(self._heartbeat)
             self._heartbeat = None
         held, self._held = self._held, {}
         if held:
