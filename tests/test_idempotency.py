@@ -21,6 +21,7 @@ from porch import (
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.store.base import Quota, Save, StoreOp
 from porch.store.sqlite.claims import ofd_locks_available
+from support import settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -36,11 +37,15 @@ class Handler:
         self.fail_first = 0
         self.raises = False
         self.bodies: list[bytes] = []
+        # Set: each call waits for it before answering (an owner a test holds inside its handler).
+        self.gate: asyncio.Event | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.calls += 1
         message = await receive()
         self.bodies.append(message.get("body", b""))
+        if self.gate is not None:
+            await self.gate.wait()
         if self.latency:
             await asyncio.sleep(self.latency)
         if self.raises:
@@ -159,13 +164,15 @@ async def test_concurrent_duplicates_run_once(make: Make, handler: Handler) -> N
 
 
 async def test_waiter_past_its_deadline_gets_409(make: Make, handler: Handler) -> None:
-    handler.latency = 0.5
+    handler.gate = asyncio.Event()
     async with make(wait_timeout=0.1) as c:
         owner = asyncio.create_task(c.post("/orders", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.05)
+        await until(lambda: handler.calls == 1, "the owner runs the handler")
         waiter = await c.post("/orders", content=b"b", headers=keyed())
         assert waiter.status_code == 409
         assert waiter.headers["retry-after"] == "1"
+        assert not owner.done()
+        handler.gate.set()
         assert (await owner).status_code == 201
         late = await c.post("/orders", content=b"b", headers=keyed())
     assert late.headers["idempotent-replayed"] == "true"
@@ -332,9 +339,11 @@ class SlowSaveStore(SQLiteStore):
     """Holds every transaction that stores a response until ``gate`` is set."""
 
     gate: asyncio.Event
+    held = False  # a Save reached the gate
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         if any(isinstance(op, Save) for op in ops):
+            self.held = True
             await self.gate.wait()
         await super().apply(ops)
 
@@ -358,7 +367,8 @@ async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
     handler = Handler()
     async with KeyPool(store, size=1) as pool:
         task, sent = keyed_post(IdempotencyMiddleware(handler, pool=pool))
-        await asyncio.sleep(0.05)
+        await until(lambda: store.held, "the response's Save reached the store")
+        await settle()
         # Start and the first chunk are out; the final chunk waits for the commit.
         assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
         assert [m.get("more_body", False) for m in sent[1:]] == [True]
@@ -380,7 +390,8 @@ async def test_a_one_chunk_response_leaves_whole_after_the_commit(tmp_path: Path
 
     async with KeyPool(store, size=1) as pool:
         task, sent = keyed_post(IdempotencyMiddleware(one_chunk, pool=pool))
-        await asyncio.sleep(0.05)
+        await until(lambda: store.held, "the response's Save reached the store")
+        await settle()
         assert sent == []
         store.gate.set()
         await task
@@ -537,7 +548,7 @@ async def test_waiting_for_another_pools_lock_ends_at_the_deadline(tmp_path: Pat
     # The second pool's caller waits for the first pool's key lock (another
     # process, in production): its wait_timeout deadline holds there too.
     handler = Handler()
-    handler.latency = 0.6
+    handler.gate = asyncio.Event()
     pools = [KeyPool(SQLiteStore(tmp_path), size=2) for _ in range(2)]
     apps = [
         IdempotencyMiddleware(handler, pool=pools[0]),
@@ -551,12 +562,11 @@ async def test_waiting_for_another_pools_lock_ends_at_the_deadline(tmp_path: Pat
     ]
     try:
         owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.1)
-        started = asyncio.get_running_loop().time()
+        await until(lambda: handler.calls == 1, "the first pool's owner runs the handler")
         waiter = await clients[1].post("/o", content=b"b", headers=keyed())
-        waited = asyncio.get_running_loop().time() - started
         assert waiter.status_code == 409
-        assert waited < 0.4  # the deadline, not the owner's 0.6 s
+        assert not owner.done()  # the deadline ended the wait, not the owner
+        handler.gate.set()
         assert (await owner).status_code == 201
         replay = await clients[1].post("/o", content=b"b", headers=keyed())
         assert replay.headers["idempotent-replayed"] == "true"
@@ -580,10 +590,10 @@ def parked_waiters(pool: KeyPool) -> list[int]:
 async def test_a_waiter_past_its_deadline_leaves_the_waiter_list_at_once(
     pool: KeyPool, make: Make, handler: Handler
 ) -> None:
-    handler.latency = 1.0
+    handler.gate = asyncio.Event()
     async with make(wait_timeout=0.1) as c:
         owner = asyncio.create_task(c.post("/orders", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.05)
+        await until(lambda: handler.calls == 1, "the owner runs the handler")
         waiters = await asyncio.gather(
             *(c.post("/orders", content=b"b", headers=keyed()) for _ in range(5))
         )
@@ -591,6 +601,7 @@ async def test_a_waiter_past_its_deadline_leaves_the_waiter_list_at_once(
         # The owner still runs: its key is in flight, and nobody is left waiting on it.
         assert not owner.done()
         assert parked_waiters(pool) == [0]
+        handler.gate.set()
         assert (await owner).status_code == 201
     assert parked_waiters(pool) == []
 
@@ -644,7 +655,7 @@ async def test_a_fenced_owner_is_sent_but_its_waiters_get_the_newer_owners_respo
     # then fenced: its client still gets its response, nothing overwrites the
     # stored one, and the first worker's waiters are answered with the stored one.
     slow, fast = Handler(), Handler()
-    slow.latency = 0.6
+    slow.gate = asyncio.Event()
     fast.body_size = 10  # tells the two owners' responses apart
     stores = [SQLiteStore(tmp_path), SQLiteStore(tmp_path)]
     pools = [KeyPool(s, size=1) for s in stores]
@@ -657,13 +668,14 @@ async def test_a_fenced_owner_is_sent_but_its_waiters_get_the_newer_owners_respo
     ]
     try:
         owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.1)
+        await until(lambda: slow.calls == 1, "the first owner runs its handler")
         waiter = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.05)
+        await until(lambda: parked_waiters(pools[0]) == [1], "the waiter is parked on the key")
         [key] = [k for shard in pools[0]._shards for k in shard.parked]
         stores[0]._claims.end(key)  # the claim is lost behind the owner's back
         newer = await clients[1].post("/o", content=b"b", headers=keyed())
         assert newer.status_code == 201
+        slow.gate.set()
         first, parked = await owner, await waiter
         assert first.status_code == 201
         assert "idempotent-replayed" not in first.headers
@@ -686,7 +698,7 @@ async def test_closing_the_pool_fails_callers_parked_on_another_pools_claim(
     tmp_path: Path,
 ) -> None:
     handler = Handler()
-    handler.latency = 1.0
+    handler.gate = asyncio.Event()
     pools = [KeyPool(SQLiteStore(tmp_path), size=1) for _ in range(2)]
     clients = [
         httpx.AsyncClient(
@@ -697,12 +709,13 @@ async def test_closing_the_pool_fails_callers_parked_on_another_pools_claim(
     ]
     try:
         owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.1)
+        await until(lambda: handler.calls == 1, "the first pool's owner runs the handler")
         waiter = asyncio.create_task(clients[1].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.2)
+        await until(lambda: parked_waiters(pools[1]) == [1], "the waiter is parked on the claim")
         assert not waiter.done()
         await pools[1].close()
         assert (await asyncio.wait_for(waiter, 5)).status_code == 503
+        handler.gate.set()
         assert (await owner).status_code == 201
     finally:
         for c in clients:
@@ -716,7 +729,7 @@ async def test_a_watch_that_cannot_start_fails_its_waiters_and_wedges_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handler = Handler()
-    handler.latency = 0.5
+    handler.gate = asyncio.Event()
     stores = [SQLiteStore(tmp_path), SQLiteStore(tmp_path)]
     pools = [KeyPool(s, size=1) for s in stores]
     clients = [
@@ -732,11 +745,12 @@ async def test_a_watch_that_cannot_start_fails_its_waiters_and_wedges_nothing(
 
     try:
         owner = asyncio.create_task(clients[0].post("/o", content=b"b", headers=keyed()))
-        await asyncio.sleep(0.1)
+        await until(lambda: handler.calls == 1, "the first pool's owner runs the handler")
         monkeypatch.setattr(stores[1], "claims", type("Broken", (), {"watch": no_thread})())
         refused = await clients[1].post("/o", content=b"b", headers=keyed())
         assert refused.status_code == 503
         assert parked_waiters(pools[1]) == []  # nothing left behind for the key
+        handler.gate.set()
         assert (await owner).status_code == 201
         monkeypatch.undo()
         replay = await clients[1].post("/o", content=b"b", headers=keyed())

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, St
 from porch.pool import Call, KeyPool, Shard
 from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
+from support import NoClaims, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -27,15 +28,6 @@ class HitCall(Call):
 
     def finish(self, shard: Shard) -> None:
         self.future.set_result(self.hit)
-
-
-class NoClaims:
-    """A fake store's claims: never held elsewhere, so never watched."""
-
-    def watch(
-        self, key: str, wake: Callable[[], None], retry_after: float | None
-    ) -> Callable[[], None]:
-        raise AssertionError("nothing is ever held elsewhere in this fake store")
 
 
 class GatedStore:
@@ -91,7 +83,8 @@ async def test_calls_are_answered_after_the_batch_commits() -> None:
         calls = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
         for c in calls:
             pool.submit("k", c)
-        await asyncio.sleep(0.01)
+        await until(lambda: store.batches == [3], "the batch reached the store")
+        await settle()
         assert not any(c.future.done() for c in calls)
         store.gate.set()
         results = await asyncio.gather(*(c.future for c in calls))
@@ -104,7 +97,7 @@ async def test_saturated_shard_refuses_at_once() -> None:
     async with KeyPool(store, size=1, mailbox=2) as pool:
         first = HitCall(Hit(["k"], [1], [1.0]))
         pool.submit("k", first)
-        await asyncio.sleep(0.01)  # the shard took it and is waiting on the store
+        await until(lambda: store.batches == [1], "the shard took it and waits on the store")
         pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
         pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
         with pytest.raises(SaturatedError):
@@ -136,15 +129,15 @@ async def test_close_wakes_every_queued_caller() -> None:
     await pool.start()
     running = HitCall(Hit(["k"], [1], [1.0]))
     pool.submit("k", running)
-    await asyncio.sleep(0.01)
+    await until(lambda: store.batches == [1], "the first call reached the store")
     queued = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
     for c in queued:
         pool.submit("k", c)
     closing = asyncio.create_task(pool.close())
-    await asyncio.sleep(0.01)
     for c in queued:
         with pytest.raises(PoolClosedError, match="closed before this call was answered"):
-            await c.future
+            await asyncio.wait_for(c.future, 10)
+    assert not closing.done()  # it waits for the batch in flight
     store.gate.set()
     await closing
     assert (await running.future).allowed  # the batch in flight still completes

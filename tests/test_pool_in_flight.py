@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -12,6 +12,7 @@ from porch.ownership import OWNER, Acquire, Complete, Report
 from porch.pool import Call, KeyPool, Shard
 from porch.store.base import Claims, Hit, StoredResponse, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
+from support import NoClaims, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -32,18 +33,12 @@ class HitCall(Call):
         self.future.set_result(self.hit)
 
 
-class NoClaims:
-    def watch(
-        self, key: str, wake: Callable[[], None], retry_after: float | None
-    ) -> Callable[[], None]:
-        raise AssertionError("nothing is ever held elsewhere in this fake store")
-
-
 class Batch:
     def __init__(self, ops: Sequence[StoreOp]) -> None:
         self.ops = ops
         self.gate = asyncio.Event()
         self.fail: Exception | None = None
+        self.applied = False  # past its gate: the store is done with it
 
 
 class GatedStore:
@@ -66,6 +61,7 @@ class GatedStore:
         batch = Batch(ops)
         self.batches.append(batch)
         await batch.gate.wait()
+        batch.applied = True
         if batch.fail is not None:
             raise batch.fail
         for op in ops:
@@ -74,14 +70,6 @@ class GatedStore:
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(len(self.batches), 0, 0)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("condition never held")
 
 
 def send(pool: KeyPool, finished: list[HitCall]) -> HitCall:
@@ -99,8 +87,9 @@ async def test_up_to_in_flight_batches_apply_at_once() -> None:
         second = send(pool, finished)
         await until(lambda: len(store.batches) == 2)  # sent while the first is out
         third = send(pool, finished)
-        await asyncio.sleep(0.02)
+        await settle()
         assert len(store.batches) == 2  # no room: the third waits in the mailbox
+        assert pool.statistics().queued == 1
         store.batches[0].gate.set()
         await until(lambda: len(store.batches) == 3)
         for batch in store.batches:
@@ -119,7 +108,8 @@ async def test_replies_keep_batch_order_when_batches_finish_out_of_order() -> No
             await until(lambda n=n: len(store.batches) == n + 1)  # type: ignore[misc]
         store.batches[2].gate.set()
         store.batches[1].gate.set()
-        await asyncio.sleep(0.02)
+        await until(lambda: store.batches[1].applied and store.batches[2].applied)
+        await settle()
         assert finished == []  # the first batch is still out: nobody is answered yet
         store.batches[0].gate.set()
         await asyncio.gather(*(c.future for c in calls))
@@ -136,7 +126,8 @@ async def test_a_failed_batch_fails_only_its_calls_in_turn() -> None:
         await until(lambda: len(store.batches) == 2)
         store.batches[0].fail = StoreError("server went away")
         store.batches[1].gate.set()
-        await asyncio.sleep(0.02)
+        await until(lambda: store.batches[1].applied, "the second batch is done")
+        await settle()
         assert not good.future.done()  # waits for the failed batch's turn
         store.batches[0].gate.set()
         with pytest.raises(StoreError, match="server went away"):
@@ -169,7 +160,7 @@ async def test_close_answers_the_batches_out_first() -> None:
     closing = asyncio.create_task(pool.close())
     with pytest.raises(PoolClosedError):
         await queued.future
-    await asyncio.sleep(0.02)
+    await settle()
     assert not closing.done()
     assert not store.closed
     for batch in store.batches:
@@ -187,11 +178,15 @@ class OverlappedSQLite(SQLiteStore):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.gate = asyncio.Event()
+        self.held = False  # a Save waits at the gate
+        self.applied = 0  # batches committed
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         if any(type(op).__name__ == "Save" for op in ops):
+            self.held = True
             await self.gate.wait()
         await super().apply(ops)
+        self.applied += 1
 
 
 async def test_a_key_has_one_claim_out_while_its_save_is_in_flight(tmp_path: object) -> None:
@@ -209,13 +204,15 @@ async def test_a_key_has_one_claim_out_while_its_save_is_in_flight(tmp_path: obj
             Complete.of(report, "s\x1fkey", first.token, response, 60.0),
             must_deliver=True,
         )
-        await asyncio.sleep(0.02)  # the Save is out, held at the gate
+        await until(lambda: store.held, "the Save is out, held at the gate")
         second = Acquire(loop.create_future(), "s\x1fkey", b"d" * 32, 20.0)
         pool.submit("s\x1fkey", second)
         finished: list[HitCall] = []
         other = HitCall(Hit(["other"], [5], [60.0]), finished)
         pool.submit("s\x1fkey", other)  # a later batch on the same shard
-        await asyncio.sleep(0.05)
+        # Committed (the first claim's batch and other's); the replies wait for the Save's turn.
+        await until(lambda: store.applied == 2, "other's batch committed")
+        await settle()
         assert not second.future.done()
         assert not other.future.done()
         store.gate.set()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from porch import (
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.responses import BytesResponse
 from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
+from support import NoClaims, until
 
 pytestmark = pytest.mark.anyio
 
@@ -178,15 +179,6 @@ async def test_custom_refusal_factory(pool: KeyPool) -> None:
     assert seen[0].violated[0].limit == 1
 
 
-class NoClaims:
-    """A fake store's claims: never held elsewhere, so never watched."""
-
-    def watch(
-        self, key: str, wake: Callable[[], None], retry_after: float | None
-    ) -> Callable[[], None]:
-        raise AssertionError("nothing is ever held elsewhere in this fake store")
-
-
 class BrokenStore:
     claims: Claims = NoClaims()
     in_flight = 1
@@ -252,7 +244,12 @@ async def test_saturation_is_503_and_never_runs_the_app() -> None:
         app = RateLimitMiddleware(counting, pool=pool, rules=Rule(Limit(100, 60)))
         async with client(app) as c:
             tasks = [asyncio.create_task(c.get("/")) for _ in range(10)]
-            await asyncio.sleep(0.05)
+
+            def all_sent() -> bool:
+                stats = pool.statistics()
+                return stats.calls + stats.saturations == 10  # queued or refused
+
+            await until(all_sent, "every request reached the pool")
             store.gate.set()
             responses = await asyncio.gather(*tasks)
     codes = [r.status_code for r in responses]
