@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -37,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
-from ..alike import collapse_hits, settle_alike
-from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp, StoreStatistics
+from ..alike import collapse_hits
+from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
 from .claims import ListenerClaims
+from .codec import Op, Renew, arguments, settle
 from .schema import migrate, quote_schema
 
 if TYPE_CHECKING:
@@ -50,23 +50,7 @@ __all__ = ["PostgresStore"]
 logger = logging.getLogger("porch.store.postgres")
 
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,47}")
-_HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW = 1, 2, 3, 4, 5, 6
-_NO_QUOTA = (1 << 62, 1 << 62)
-
-
-class _Renew:
-    """Extend the lease of a claim this process holds (the heartbeat's op)."""
-
-    __slots__ = ("key", "renewed", "token")
-
-    def __init__(self, key: str, token: int) -> None:
-        self.key = key
-        self.token = token
-        self.renewed = False
-
-
-_Op = StoreOp | _Renew
-_Job = tuple[Sequence[_Op], "asyncio.Future[None]"]
+_Job = tuple[Sequence[Op], "asyncio.Future[None]"]
 
 
 def _driver() -> Any:
@@ -253,7 +237,7 @@ class PostgresStore:
         self._workers.clear()
         held, self._held = self._held, {}
         if held:
-            ops: list[_Op] = [Release(key, token) for key, token in sorted(held.items())]
+            ops: list[Op] = [Release(key, token) for key, token in sorted(held.items())]
             try:
                 conn = await self._connect()
                 try:
@@ -282,7 +266,7 @@ class PostgresStore:
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         await self._submit(ops)
 
-    async def _submit(self, ops: Sequence[_Op]) -> None:
+    async def _submit(self, ops: Sequence[Op]) -> None:
         queue = self._queue
         if queue is None:
             raise StoreError("the PostgreSQL store is not open")
@@ -303,7 +287,7 @@ class PostgresStore:
             await asyncio.sleep(self.lease / 3)
             if not self._held:
                 continue
-            renewals = [_Renew(k, t) for k, t in self._held.items()]
+            renewals = [Renew(k, t) for k, t in self._held.items()]
             try:
                 await self._submit(renewals)
             except StoreError as exc:
@@ -347,7 +331,7 @@ class PostgresStore:
             rows = await asyncio.wait_for(
                 conn.fetch(self._sql, *self._arguments(sent, alike)), self.statement_timeout + 0.5
             )
-            self._results(sent, alike, rows)
+            settle(sent, alike, rows, self._held)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     self._forget(job_ops)
@@ -375,129 +359,14 @@ class PostgresStore:
                     future.set_exception(error)
         return conn
 
-    def _arguments(self, ops: list[_Op], alike: dict[int, list[Hit]]) -> list[Any]:
-        n = len(ops)
-        kinds = [0] * n
-        keys: list[str] = [""] * n
-        ukeys: dict[str, int] = {}
-        lidx: list[int] = []
-        lamounts: list[int] = []
-        lwindows: list[float] = []
-        hops: list[int] = []
-        hstart: list[int] = []
-        hmult: list[int] = []
-        tokens: list[int | None] = [None] * n
-        digests: list[bytes | None] = [None] * n
-        statuses: list[int | None] = [None] * n
-        headers: list[str | None] = [None] * n
-        bodies: list[bytes | None] = [None] * n
-        ttls: list[float | None] = [None] * n
-        scopes: list[str | None] = [None] * n
-        scope_caps: list[int | None] = [None] * n
-        total_caps: list[int | None] = [None] * n
-        for i, op in enumerate(ops):
-            # isinstance narrows each op for the type checker (no casts, no ignores).
-            if isinstance(op, Hit):
-                kinds[i] = _HIT
-                hops.append(i + 1)
-                hstart.append(len(lidx) + 1)
-                same = alike.get(i)
-                hmult.append(1 if same is None else len(same))
-                for key, amount, window in zip(op.keys, op.amounts, op.windows, strict=True):
-                    lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
-                    lamounts.append(amount)
-                    lwindows.append(float(window))
-                continue
-            keys[i] = op.key
-            if isinstance(op, Lookup):
-                kinds[i] = _LOOKUP
-            elif isinstance(op, Claim):
-                kinds[i] = _CLAIM
-            elif isinstance(op, Save):
-                kinds[i] = _SAVE
-                tokens[i] = op.token
-                r = op.response
-                digests[i] = r.digest
-                statuses[i] = r.status
-                headers[i] = json.dumps(
-                    [(k.decode("latin-1"), v.decode("latin-1")) for k, v in r.headers]
-                )
-                bodies[i] = r.body
-                ttls[i] = float(op.ttl)
-                scopes[i] = op.scope
-                quota = op.quota
-                scope_caps[i], total_caps[i] = (
-                    _NO_QUOTA if quota is None else (quota.scope_bytes, quota.total_bytes)
-                )
-            elif isinstance(op, Release):
-                kinds[i] = _RELEASE
-                tokens[i] = op.token
-            else:
-                kinds[i] = _RENEW
-                tokens[i] = op.token
-        return [
-            kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, hmult, tokens,
-            digests, statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, self.lease,
-            self.prune_batch, self.channel,
-        ]  # fmt: skip
+    def _arguments(self, ops: list[Op], alike: dict[int, list[Hit]]) -> list[Any]:
+        return arguments(ops, alike, self.lease, self.prune_batch, self.channel)
 
-    def _forget(self, ops: Sequence[_Op]) -> None:
+    def _forget(self, ops: Sequence[Op]) -> None:
         """Stop renewing claims taken for a caller that timed out: their leases lapse."""
         for op in ops:
             if type(op) is Claim and op.token and self._held.get(op.key) == op.token:
                 del self._held[op.key]
-
-    def _results(self, ops: list[_Op], alike: dict[int, list[Hit]], rows: list[Any]) -> None:
-        wall = next((row[3] for row in rows if row[0] == 0), 0.0)
-        held = self._held
-        for row in rows:
-            i = row[0]
-            if i == 0:
-                continue
-            op = ops[i - 1]
-            code = row[1]
-            kind = type(op)
-            if kind is Hit:
-                # code: how many of the alike hits were allowed; row[4]: counts before them.
-                group: Sequence[Any] = alike.get(i - 1) or (op,)
-                settle_alike(group, code, row[4], row[5], wall)
-            elif kind is Lookup:
-                lookup: Any = op
-                lookup.result = _stored(row) if code == 1 else None
-            elif kind is Claim:
-                claim: Any = op
-                if code == 1:
-                    claim.stored = _stored(row)
-                elif code == 2:
-                    claim.held = True
-                    claim.retry_after = row[3]
-                else:
-                    claim.token = row[2]
-                    held[claim.key] = claim.token
-            elif kind is Save:
-                save: Any = op
-                save.outcome = ("saved", "fenced", "quota")[code - 1]
-                if save.token and held.get(save.key) == save.token:
-                    del held[save.key]
-            elif kind is Release:
-                release: Any = op
-                release.released = code == 1
-                if held.get(release.key) == release.token:
-                    del held[release.key]
-            else:
-                renew: Any = op
-                renew.renewed = code == 1
-                if not renew.renewed and held.get(renew.key) == renew.token:
-                    del held[renew.key]  # lost (taken over): stop renewing it
-
-
-def _stored(row: Any) -> StoredResponse:
-    return StoredResponse(
-        bytes(row[6]),
-        int(row[7]),
-        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(row[8])),
-        bytes(row[9]),
-    )
 
 
 async def _close(conn: Any) -> None:

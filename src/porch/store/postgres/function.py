@@ -1,0 +1,371 @@
+"""The server-side batch function ``<schema>.apply_v2`` (and its helper ``prune_responses``).
+
+One call decides a whole batch in one transaction: see store.py for the
+protocol and schema.py for the tables it works on.
+"""
+
+from __future__ import annotations
+
+__all__ = ["APPLY_FUNCTION"]
+
+# The batch function is code, not data: every open creates (or replaces) it.
+# Its name carries its interface version, so hosts of two porch versions
+# sharing one schema during an upgrade each call their own.
+# Inputs are parallel arrays, one entry per op (kind 1 hit, 2 lookup, 3 claim,
+# 4 save, 5 release, 6 renew); the hits' limits come flattened: the distinct
+# counter keys (ukeys), then per limit the index of its key, its amount and
+# window, and per hit its op number, its first limit and its multiplicity (m
+# identical hits sent as one: decided in turn, the first k allowed). One
+# output row per op; op 0 carries the server time. A hit's row says how many
+# of its m were allowed (code) and the counts before them.
+APPLY_FUNCTION = r"""
+-- PL/pgSQL, not SQL: its statements' plans are cached for the session. Generic
+-- plans, always: by default the planner re-plans a statement with array
+-- parameters on every call (measured: a quarter of the server's CPU per batch),
+-- and every statement here reaches its rows through a key index anyway.
+-- Delete up to n expired stored responses (of one scope, or any), skipping rows
+-- another batch holds, and take their bytes off through the caller's slot;
+-- return how many were deleted. The caller holds slot sl (locked first).
+CREATE OR REPLACE FUNCTION {s}.prune_responses(t float8, sl int, keep text, sc text, n int)
+RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    deleted bigint;
+BEGIN
+    WITH d AS (
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x
+            WHERE x.status IS NOT NULL AND x.expires <= t
+              AND (x.lease_until IS NULL OR x.lease_until <= t)
+              AND (sc IS NULL OR x.scope = sc) AND x.key IS DISTINCT FROM keep
+            ORDER BY x.expires LIMIT n FOR UPDATE SKIP LOCKED)
+        RETURNING r.scope, r.size
+    ), g AS (
+        INSERT INTO usage AS u (scope, slot, bytes)
+            SELECT d.scope, sl, -sum(d.size) FROM d GROUP BY d.scope
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), z AS (
+        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+            WHERE slot = sl
+    )
+    SELECT count(*) INTO deleted FROM d;
+    RETURN deleted;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.apply_v2(
+    kinds int[], keys text[],
+    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
+    hmult int[],
+    tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
+    ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
+    lease float8, prune int, channel text
+) RETURNS TABLE (
+    op int, code int, tok bigint, num float8, counts int[], resets float8[],
+    r_digest bytea, r_status int, r_headers text, r_body bytea
+) LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    n int := coalesce(array_length(kinds, 1), 0);
+    rkeys text[];
+    t float8;
+    i int;
+    k text;
+    rec record;
+    ok boolean;
+    sz bigint;
+    used bigint;
+    myslot int;
+    saved boolean := false;
+    cc int[];
+    cs float8[];
+    ce float8[];
+    nh int := coalesce(array_length(hops, 1), 0);
+    h int;
+    a int;
+    b int;
+    x int;
+    done boolean[] := array_fill(false, ARRAY[n]);
+    ckeys text[];
+    cidx int[];
+    skeys text[];
+    wkeys text[];
+    -- Stored bytes this batch adds (per scope, and in total), written once at the end.
+    dscopes text[] := '{}';
+    dbytes bigint[] := '{}';
+    dbase bigint[] := '{}';
+    tbase bigint;
+    tdelta bigint := 0;
+    xo int;
+    nkeys text[] := '{}';
+    claims boolean := nh < n;  -- anything but hits (a hits-only batch skips their steps)
+BEGIN
+    -- Every table is reached through its key index (= ANY, or LATERAL per key):
+    -- a join against an array would let the planner scan a whole table.
+    IF claims THEN
+    SELECT array_agg(keys[j]) FILTER (WHERE kinds[j] = 3),
+           array_agg(j) FILTER (WHERE kinds[j] = 3),
+           array_agg(keys[j]) FILTER (WHERE kinds[j] = 4),
+           coalesce(array_agg(keys[j]) FILTER (WHERE kinds[j] IN (4, 5, 6)), '{}')
+        INTO ckeys, cidx, skeys, wkeys
+        FROM generate_subscripts(kinds, 1) j;
+    -- Replays first: a claim whose key holds a live stored response and no live
+    -- claim is answered without a lock (a stored response changes only once it
+    -- expired), so a batch of replays writes nothing and its commit does not
+    -- wait for a WAL flush. Keys this batch also saves or releases are left to
+    -- the ordered pass below.
+    t := extract(epoch FROM clock_timestamp());
+    FOR rec IN
+        SELECT u.j, r.digest, r.status, r.headers, r.body
+        FROM unnest(ckeys, cidx) u(k, j)
+        CROSS JOIN LATERAL (SELECT x.* FROM records x WHERE x.key = u.k) r
+        WHERE r.status IS NOT NULL AND r.expires > t
+          AND (r.lease_until IS NULL OR r.lease_until <= t)
+          AND NOT (u.k = ANY (wkeys))
+    LOOP
+        done[rec.j] := true;
+        op := rec.j; code := 1; num := NULL; tok := NULL;
+        r_digest := rec.digest; r_status := rec.status;
+        r_headers := rec.headers; r_body := rec.body;
+        RETURN NEXT;
+    END LOOP;
+    IF NOT (false = ANY (done)) THEN  -- replays only: nothing to lock, nothing written
+        RETURN;
+    END IF;
+    END IF;
+
+    -- Lock phase, always in one global order (a usage slot, counters, records),
+    -- rows by key: concurrent batches never deadlock. The slot comes first and
+    -- is taken only by batches that may change stored bytes (not by replays).
+    IF claims AND (skeys IS NOT NULL
+            OR EXISTS (SELECT 1 FROM unnest(cidx) u(j) WHERE NOT done[u.j])) THEN
+        SELECT z.slot INTO myslot FROM usage_total z
+            ORDER BY (z.slot + pg_backend_pid()) % 64 LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF myslot IS NULL THEN  -- all 64 busy: queue for one, holding nothing else yet
+            SELECT z.slot INTO myslot FROM usage_total z
+                WHERE z.slot = pg_backend_pid() % 64 FOR UPDATE;
+        END IF;
+    END IF;
+    IF nh > 0 THEN
+        INSERT INTO counters AS c (key, count, window_start, expires)
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+        PERFORM 1 FROM counters c WHERE c.key = ANY (ukeys) ORDER BY c.key FOR UPDATE;
+        -- A row pruned between the insert and the lock comes back, locked by its insert.
+        INSERT INTO counters AS c (key, count, window_start, expires)
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+    END IF;
+    IF claims THEN
+        SELECT array_agg(DISTINCT keys[j]) INTO rkeys
+            FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
+    END IF;
+    IF rkeys IS NOT NULL THEN
+        -- An absent key gets an empty row first, so that two hosts claiming a new
+        -- key at once queue on one row lock instead of both finding nothing.
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+        PERFORM 1 FROM records r WHERE r.key = ANY (rkeys) ORDER BY r.key FOR UPDATE;
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+    END IF;
+    t := extract(epoch FROM clock_timestamp());
+
+    op := 0; code := 0; num := t;
+    RETURN NEXT;
+    num := NULL; tok := NULL; r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
+
+    -- Hits: each counter row is read once and written once per batch; in between
+    -- the hits are decided in arrival order on arrays (a refused hit consumes nothing).
+    IF nh > 0 THEN
+        SELECT array_agg(c.count ORDER BY u.n), array_agg(c.window_start ORDER BY u.n),
+               array_agg(c.expires ORDER BY u.n)
+            INTO cc, cs, ce
+            FROM unnest(ukeys) WITH ORDINALITY u(k, n)
+            CROSS JOIN LATERAL (SELECT x.* FROM counters x WHERE x.key = u.k) c;
+        FOR h IN 1 .. nh LOOP
+            a := hstart[h];
+            b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
+            sz := hmult[h];  -- how many of the m identical hits fit under every limit
+            counts := '{}'; resets := '{}';
+            FOR j IN a .. b LOOP
+                x := lidx[j];
+                IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
+                    cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
+                END IF;
+                sz := least(sz, greatest(lamounts[j] - cc[x], 0));
+                counts := counts || cc[x];
+                resets := resets || (ce[x] - t);
+            END LOOP;
+            IF sz > 0 THEN
+                FOR j IN a .. b LOOP
+                    cc[lidx[j]] := cc[lidx[j]] + sz;
+                END LOOP;
+            END IF;
+            op := hops[h]; code := sz;
+            RETURN NEXT;
+        END LOOP;
+        UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
+            FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
+            WHERE c.key = u.k AND c.key = ANY (ukeys);
+        counts := NULL; resets := NULL;
+    END IF;
+
+    FOR i IN 1 .. CASE WHEN claims THEN n ELSE 0 END LOOP
+        CONTINUE WHEN done[i];  -- a replay, answered first
+        op := i; code := 0; tok := NULL; num := NULL;
+        r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
+        k := keys[i];
+        CASE kinds[i]
+        WHEN 1 THEN  -- a hit: answered above
+            CONTINUE;
+        WHEN 2 THEN  -- lookup: a live stored response, no lock
+            SELECT r.digest, r.status, r.headers, r.body INTO r_digest, r_status, r_headers, r_body
+                FROM records r WHERE r.key = k AND r.status IS NOT NULL AND r.expires > t;
+            code := (r_status IS NOT NULL)::int;
+        WHEN 3 THEN  -- claim: held elsewhere (2), stored (1), or taken (3)
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF FOUND AND rec.lease_until IS NOT NULL AND rec.lease_until > t THEN
+                code := 2; num := rec.lease_until - t;
+            ELSIF FOUND AND rec.status IS NOT NULL AND rec.expires > t THEN
+                code := 1;
+                r_digest := rec.digest; r_status := rec.status;
+                r_headers := rec.headers; r_body := rec.body;
+            ELSE
+                -- An expired response: pruned when touched.
+                IF FOUND AND rec.status IS NOT NULL THEN
+                    xo := array_position(dscopes, rec.scope);
+                    IF xo IS NULL THEN
+                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
+                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
+                    END IF;
+                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
+                END IF;
+                tok := nextval('tokens');
+                INSERT INTO records AS r (key, token, lease_until) VALUES (k, tok, t + lease)
+                    ON CONFLICT (key) DO UPDATE SET digest = NULL, status = NULL, headers = NULL,
+                        body = NULL, scope = NULL, size = 0, expires = NULL,
+                        token = excluded.token, lease_until = excluded.lease_until;
+                code := 3; num := lease;
+            END IF;
+        WHEN 4 THEN  -- save: saved (1), fenced (2), over quota (3)
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF tokens[i] <> 0
+                    AND (NOT FOUND OR rec.token <> tokens[i] OR rec.lease_until IS NULL) THEN
+                code := 2;
+            ELSE
+                sz := octet_length(bodies[i]) + octet_length(headers[i]) + octet_length(digests[i]);
+                IF FOUND AND rec.status IS NOT NULL THEN
+                    xo := array_position(dscopes, rec.scope);
+                    IF xo IS NULL THEN
+                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
+                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
+                    END IF;
+                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
+                END IF;
+                x := array_position(dscopes, scopes[i]);
+                IF x IS NULL THEN
+                    dscopes := dscopes || scopes[i]; dbytes := dbytes || 0::bigint;
+                    dbase := dbase || NULL::bigint; x := array_length(dscopes, 1);
+                END IF;
+                FOR attempt IN 1 .. 2 LOOP
+                    IF dbase[x] IS NULL THEN
+                        SELECT coalesce(sum(g.bytes), 0) INTO used
+                            FROM usage g WHERE g.scope = scopes[i];
+                        dbase[x] := used;
+                    END IF;
+                    IF tbase IS NULL THEN
+                        SELECT sum(z.bytes) INTO tbase FROM usage_total z;
+                    END IF;
+                    used := dbase[x] + dbytes[x];
+                    ok := used + sz <= scope_caps[i] AND tbase + tdelta + sz <= total_caps[i];
+                    EXIT WHEN ok OR attempt = 2;
+                    -- Expired rows still counted: prune them (never waiting), then look again.
+                    PERFORM prune_responses(t, myslot, k,
+                        CASE WHEN used + sz > scope_caps[i] THEN scopes[i] END, 4096);
+                    dbase := array_fill(NULL::bigint, ARRAY[array_length(dscopes, 1)]);
+                    tbase := NULL;  -- the prune took its bytes off in the table
+                END LOOP;
+                IF NOT ok THEN
+                    code := 3;
+                    IF tokens[i] <> 0 THEN  -- the claim ends, nothing is stored
+                        IF rec.status IS NULL THEN
+                            DELETE FROM records r WHERE r.key = k;
+                        ELSE
+                            UPDATE records r SET digest = NULL, status = NULL, headers = NULL,
+                                body = NULL, scope = NULL, size = 0, expires = NULL,
+                                lease_until = NULL WHERE r.key = k;
+                        END IF;
+                    ELSIF rec.status IS NOT NULL THEN
+                        -- usage of the old response was taken off above: put it back
+                        dbytes[xo] := dbytes[xo] + rec.size; tdelta := tdelta + rec.size;
+                    END IF;
+                ELSE
+                    code := 1;
+                    INSERT INTO records AS r (key, digest, status, headers, body, scope, size,
+                            expires, token, lease_until)
+                        VALUES (k, digests[i], statuses[i], headers[i], bodies[i], scopes[i], sz,
+                            t + ttls[i], 0, NULL)
+                        ON CONFLICT (key) DO UPDATE SET digest = excluded.digest,
+                            status = excluded.status, headers = excluded.headers,
+                            body = excluded.body, scope = excluded.scope, size = excluded.size,
+                            expires = excluded.expires,
+                            lease_until = CASE WHEN tokens[i] = 0 THEN r.lease_until END;
+                    dbytes[x] := dbytes[x] + sz; tdelta := tdelta + sz;
+                    saved := true;
+                END IF;
+                nkeys := nkeys || k;
+            END IF;
+        WHEN 5 THEN  -- release: released (1) or not current (0)
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF FOUND AND rec.token = tokens[i] AND rec.lease_until IS NOT NULL THEN
+                IF rec.status IS NULL THEN
+                    DELETE FROM records r WHERE r.key = k;
+                ELSE
+                    UPDATE records r SET lease_until = NULL WHERE r.key = k;
+                END IF;
+                code := 1;
+                nkeys := nkeys || k;
+            END IF;
+        WHEN 6 THEN  -- renew a claim this process holds: renewed (1) or lost (0)
+            UPDATE records r SET lease_until = t + lease
+                WHERE r.key = k AND r.token = tokens[i] AND r.lease_until IS NOT NULL;
+            code := FOUND::int;
+        END CASE;
+        RETURN NEXT;
+    END LOOP;
+
+    IF array_length(dscopes, 1) > 0 THEN
+        INSERT INTO usage AS g (scope, slot, bytes)
+            SELECT u.s, myslot, u.b FROM unnest(dscopes, dbytes) u(s, b) WHERE u.b <> 0
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
+    END IF;
+    IF tdelta <> 0 THEN
+        UPDATE usage_total SET bytes = bytes + tdelta WHERE slot = myslot;
+    END IF;
+    IF array_length(nkeys, 1) > 0 THEN  -- sent at commit: waiters elsewhere wake then
+        PERFORM pg_notify(channel, md5(convert_to(u.k, 'UTF8'))) FROM unnest(nkeys) u(k);
+    END IF;
+    IF rkeys IS NOT NULL THEN  -- the empty rows nobody claimed or filled
+        DELETE FROM records r
+            WHERE r.key = ANY (rkeys) AND r.status IS NULL AND r.lease_until IS NULL;
+    END IF;
+
+    -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
+    IF nh > 0 THEN
+        DELETE FROM counters c WHERE c.key IN (
+            SELECT x.key FROM counters x WHERE x.expires <= t
+            ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
+    END IF;
+    IF saved THEN
+        PERFORM prune_responses(t, myslot, NULL, NULL, prune);
+        -- Claims whose holder died and nobody took over.
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x WHERE x.status IS NULL AND x.lease_until <= t - 60
+            ORDER BY x.lease_until LIMIT prune FOR UPDATE SKIP LOCKED);
+    END IF;
+END
+$fn$;
+"""
