@@ -74,6 +74,12 @@ class Backend:
         store: Store = self._factory(self._target, **self.isolation, **options)
         await store.open()
         self.stores.append(store)
+        # PostgreSQL's open() does not wait for its LISTEN connection, which wakes every
+        # watch once it connects (tests/store/postgres/test_listener.py): have it, so a
+        # test's watches see only the wakes it causes, and a server stop is a reconnect.
+        listening = getattr(store.claims, "connected", None)
+        if listening is not None:
+            await asyncio.wait_for(listening.wait(), 20)
         return store
 
     async def close_store(self, store: Store) -> None:

@@ -6,8 +6,8 @@ notification leaves exactly when the claim came free. This process keeps one
 connection listening on the channel and dispatches each notification to the
 watchers of that key. Each watch also sets a timer at the holder's lease end:
 the backstop for a holder that died (no notification ever comes) and for a
-listener that is reconnecting. After the listener reconnects, every watched
-key is woken once, since notifications sent while it was away are lost.
+listener that is reconnecting. Once the listener (re)connects, every watched
+key is woken once, since notifications sent while it was not listening are lost.
 """
 
 from __future__ import annotations
@@ -119,11 +119,13 @@ class ListenerClaims:
             self.connected.set()
             delay = 0.1
             if not first:
-                # Whatever was notified while we were away is lost: everyone looks again.
                 self.reconnects += 1
                 logger.info("porch: LISTEN connection to PostgreSQL is back")
-                self._wake_all()
             first = False
+            # Whatever was notified while we were not listening is lost: everyone looks
+            # again. The first connect too: open() does not wait for it, so a key may
+            # have been watched (and freed) before this LISTEN began.
+            self._wake_all()
             try:
                 await lost.wait()
             finally:  # cancelled too (stop(), or the loop shutting down): closed on this loop
