@@ -21,14 +21,13 @@ import contextlib
 import logging
 import os
 import zlib
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError, PoolClosedError, StoreError
 from .mailbox import Mailbox, MailboxStatistics
 from .namespaces import Namespaces
+from .overlapped import run_overlapped
 
 if TYPE_CHECKING:
     from .metrics import PorchMetrics
@@ -95,7 +94,7 @@ class Shard:
 
     def start(self) -> None:
         depth = self.store.in_flight
-        run = self._run() if depth <= 1 else self._run_overlapped(depth)
+        run = self._run() if depth <= 1 else run_overlapped(self, depth)
         self._task = asyncio.get_running_loop().create_task(run, name=f"porch-shard-{self.index}")
 
     def abandon(self, exc: BaseException) -> None:
@@ -149,88 +148,6 @@ class Shard:
             if metrics is not None and metrics.multiprocess:
                 metrics.shard_state(self.index, len(self.mailbox), self.waiters())
 
-    async def _run_overlapped(self, depth: int) -> None:
-        """Up to ``depth`` batches applying at once (a remote store), replies in batch order.
-
-        A remote store's round trip, not its server's work, bounds one batch in
-        flight; the next batch is prepared and sent while earlier ones are still
-        out. Each batch is prepared only once every earlier batch was prepared,
-        and its calls are finished (or failed) only once every earlier batch's
-        were, so a key's state in ``parked`` moves exactly as with one batch in
-        flight: a key has at most one Claim, Save or Release out at a time (its
-        callers park on the key meanwhile), and the store decides concurrent
-        batches' hits exactly under its own locks (row locks, a single-threaded
-        server).
-        """
-        receive = self.mailbox.receive_batch
-        loop = asyncio.get_running_loop()
-        pending: deque[_Applying] = deque()
-        room: list[asyncio.Future[None]] = []  # the actor, waiting for a batch to be done
-
-        def settled(_: object) -> None:
-            while pending and pending[0].done.done():
-                self._reply(pending.popleft())
-            if room:
-                waiter = room.pop()
-                if not waiter.done():
-                    waiter.set_result(None)
-
-        def applying() -> int:
-            return sum(1 for entry in pending if entry.task is not None and not entry.done.done())
-
-        async def wait(full: Callable[[], bool]) -> None:
-            while full():
-                waiter = loop.create_future()
-                room.append(waiter)
-                await waiter
-
-        while True:
-            batch = await receive()
-            if not batch:
-                break
-            entry = _Applying(batch, loop.create_future())
-            try:
-                for call in batch:
-                    call.prepare(self, entry.ops)
-            except Exception as exc:  # failed in its turn, like a failed transaction
-                entry.done.set_exception(exc)
-            else:
-                if entry.ops:
-                    entry.started = loop.time()
-                    entry.task = loop.create_task(self.store.apply(entry.ops))
-                    entry.task.add_done_callback(entry.applied)
-                else:
-                    entry.done.set_result(None)
-            entry.done.add_done_callback(settled)
-            pending.append(entry)
-            # Only batches the store is applying take room (one that needed no op does not).
-            await wait(lambda: applying() >= depth)
-        await wait(lambda: bool(pending))  # closing: the batches out are answered first
-
-    def _reply(self, entry: _Applying) -> None:
-        """Finish (or fail) an overlapped batch's calls, once it and every batch before are done."""
-        metrics = self.metrics
-        exc = entry.done.exception()
-        if exc is not None:
-            error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
-            if error is not exc:
-                logger.error("porch shard %d: unexpected failure", self.index, exc_info=exc)
-            for call in entry.batch:
-                try:
-                    call.fail(self, error)
-                except Exception:
-                    logger.exception("porch shard %d: a reply failed", self.index)
-        else:
-            if metrics is not None and entry.ops:
-                metrics.committed(entry.finished - entry.started, len(entry.ops))
-            for call in entry.batch:
-                try:
-                    call.finish(self)
-                except Exception:  # a bug in one reply must not strand the others
-                    logger.exception("porch shard %d: a reply failed", self.index)
-        if metrics is not None and metrics.multiprocess:
-            metrics.shard_state(self.index, len(self.mailbox), self.waiters())
-
     async def close(self) -> None:
         closed = PoolClosedError("the key pool closed before this call was answered")
         for call in self.mailbox.close():
@@ -241,29 +158,6 @@ class Shard:
         for state in list(self.parked.values()):
             state.close(closed)
         self.parked.clear()
-
-
-class _Applying:
-    """One batch of an overlapped shard: its calls, its ops, and when its apply is done."""
-
-    __slots__ = ("batch", "done", "finished", "ops", "started", "task")
-
-    def __init__(self, batch: list[Call], done: asyncio.Future[None]) -> None:
-        self.batch = batch
-        self.ops: list[StoreOp] = []
-        self.done = done
-        self.task: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
-        self.started = 0.0
-        self.finished = 0.0
-
-    def applied(self, task: asyncio.Task[None]) -> None:
-        self.finished = task.get_loop().time()
-        if task.cancelled():
-            self.done.set_exception(StoreError("the batch was cancelled"))
-        elif (exc := task.exception()) is not None:
-            self.done.set_exception(exc)
-        else:
-            self.done.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
