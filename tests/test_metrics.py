@@ -104,7 +104,9 @@ async def test_every_outcome_is_counted(tmp_path: Path) -> None:
 
 async def test_saturation_and_parked_waiters_are_reported(tmp_path: Path) -> None:
     metrics = PorchMetrics()
-    pool = KeyPool(SQLiteStore(tmp_path), size=1, mailbox=2, metrics=metrics)
+    # Every commit through the writer thread (power: never inline), so the mailbox fills.
+    store = SQLiteStore(tmp_path, durability="power")
+    pool = KeyPool(store, size=1, mailbox=2, metrics=metrics)
     app = RateLimitMiddleware(_ok, pool=pool, rules=Rule(Limit(10_000, 60)))
     transport = httpx.ASGITransport(app=app, client=("10.0.0.1", 1234))
     try:
