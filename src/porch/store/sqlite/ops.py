@@ -70,8 +70,12 @@ def apply_batch(
     wall: float,
     prune: int,
     claims: SQLiteClaims,
+    names: dict[str, int] | None = None,
 ) -> None:
-    """Apply ``ops`` with the clock read once for the whole transaction."""
+    """Apply ``ops`` with the clock read once for the whole transaction.
+
+    ``names``: counter-name ids this connection already read (see _name_ids).
+    """
     hits: list[Hit] = []
     reads: list[Claim | Lookup] = []
     writes: list[Save | Release] = []
@@ -98,7 +102,7 @@ def apply_batch(
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
     if hits:
-        created = _apply_hits(conn, hits, now, wall)
+        created = _apply_hits(conn, hits, now, wall, {} if names is None else names)
         conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
 
 
@@ -310,23 +314,35 @@ def split_key(key: str) -> tuple[str, str]:
     return key[: len(key) - len(client)], client
 
 
-def _name_ids(conn: sqlite3.Connection, prefixes: list[str]) -> dict[str, int]:
-    """The id of each prefix, adding the new ones (a handful: one per rule and limit)."""
-    ids: dict[str, int] = {}
-    for chunk in _chunks(prefixes):
+def _name_ids(
+    conn: sqlite3.Connection, prefixes: list[str], known: dict[str, int]
+) -> dict[str, int]:
+    """The id of each prefix, adding the new ones (a handful: one per rule and limit).
+
+    ``known`` keeps the ids read from the table: a committed row of counter_names
+    never changes or goes, so a busy store reads it once, not once per transaction.
+    Ids inserted here are not kept: this transaction may still roll back.
+    """
+    ids = {prefix: known[prefix] for prefix in prefixes if prefix in known}
+    if len(ids) == len(prefixes):
+        return ids
+    missing = [prefix for prefix in prefixes if prefix not in ids]
+    for chunk in _chunks(missing):
         marks = ",".join("?" * len(chunk))
         for prefix, name in conn.execute(
             f"SELECT prefix, id FROM counter_names WHERE prefix IN ({marks})", chunk
         ):
-            ids[prefix] = int(name)
-    for prefix in prefixes:
+            ids[prefix] = known[prefix] = int(name)
+    for prefix in missing:
         if prefix not in ids:
             cursor = conn.execute("INSERT INTO counter_names (prefix) VALUES (?)", (prefix,))
             ids[prefix] = int(cursor.lastrowid or 0)
     return ids
 
 
-def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float) -> int:
+def _apply_hits(
+    conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float, known: dict[str, int]
+) -> int:
     # key -> [count, window_start, expires, wall_start, write, name, client]; read once
     # per transaction, written once per transaction, however many hits share a key.
     rows: dict[str, list[Any]] = {}
@@ -335,7 +351,7 @@ def _apply_hits(conn: sqlite3.Connection, hits: list[Hit], now: float, wall: flo
     for key in {key for hit in hits for key in hit.keys}:
         prefix, client = places[key] = split_key(key)
         clients.setdefault(prefix, {})[client] = key
-    names = _name_ids(conn, list(clients))
+    names = _name_ids(conn, list(clients), known)
     for prefix, keys in clients.items():
         name = names[prefix]
         for chunk in _chunks(list(keys)):

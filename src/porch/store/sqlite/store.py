@@ -134,6 +134,7 @@ class SQLiteStore:
         self._conn_lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None  # set while the writer runs
         self._checkpoints: Checkpoints | None = None
+        self._names: dict[str, int] = {}  # counter-name ids read (see ops._name_ids)
         self._inline_busy = False  # the connection's busy_timeout is 0 (an inline commit)
         self._inline: list[tuple[Sequence[StoreOp], Done]] = []  # to commit inline, if idle
         self._inline_ops = 0
@@ -351,6 +352,7 @@ class SQLiteStore:
         checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed)
         checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
         self._checkpoints = checkpoints
+        self._names = {}
         self._conn = conn
         _call_soon(loop, _settle, ready, None)
         try:
@@ -491,7 +493,7 @@ class SQLiteStore:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            apply_batch(conn, ops, now, wall, self.prune_batch, claims)
+            apply_batch(conn, ops, now, wall, self.prune_batch, claims, self._names)
             if self._transactions % _FREELIST_EVERY == 0:
                 # A busy store is never idle: give back a little at a time. Looked at
                 # on every few transactions only: it is one more statement each time.
