@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -26,19 +25,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
-from ..alike import collapse_hits, settle_alike
-from ..base import (
-    Claim,
-    Hit,
-    Lookup,
-    Quota,
-    Release,
-    Save,
-    StoredResponse,
-    StoreOp,
-    StoreStatistics,
-)
+from ..alike import collapse_hits
+from ..base import StoreOp, StoreStatistics
 from .claims import RedisClaims
+from .commands import Command, command, settle
 from .group import GroupPipeline
 from .keys import KeyNames
 from .scripts import Script, load_scripts
@@ -52,12 +42,8 @@ __all__ = ["RedisStore"]
 
 logger = logging.getLogger("porch.store")
 
-_DEFAULT_QUOTA = Quota()
 # Pipelines a process keeps in flight; batches queued meanwhile leave together next.
 _PIPELINES_IN_FLIGHT = 2
-# (script name, or None for a plain HMGET of the record; keys; arguments)
-_Command = tuple[str | None, list[bytes], list[bytes | str | int]]
-_FIELDS = (b"d", b"s", b"h", b"b")
 
 
 def _redacted(url: str) -> str:
@@ -67,19 +53,6 @@ def _redacted(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
-    return json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]).encode()
-
-
-def _stored(digest: bytes, status: bytes, headers: bytes, body: bytes) -> StoredResponse:
-    return StoredResponse(
-        bytes(digest),
-        int(status),
-        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
-        bytes(body),
-    )
 
 
 class RedisStore:
@@ -250,9 +223,10 @@ class RedisStore:
             raise StoreError("the Redis store is not open")
         # Alike hits (one client of one rule) go as one script call with a count.
         sent, alike = collapse_hits(ops)
+        names, lease_ms = self.names, self._lease_ms
         try:
             results = await group.run(
-                [self._command(op, alike.get(i)) for i, op in enumerate(sent)]
+                [command(names, lease_ms, op, alike.get(i)) for i, op in enumerate(sent)]
             )
             for result in results:
                 if isinstance(result, Exception):
@@ -262,77 +236,9 @@ class RedisStore:
             raise
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
-            self._settle(op, result, alike.get(i))
+            settle(self._held, op, result, alike.get(i))
 
-    def _command(self, op: StoreOp, alike: list[Hit] | None = None) -> _Command:
-        names = self.names
-        if type(op) is Hit:
-            args: list[bytes | str | int] = [1 if alike is None else len(alike)]
-            for amount, window in zip(op.amounts, op.windows, strict=True):
-                args += [amount, max(1, math.ceil(window * 1000))]
-            return ("hit", [names.counter(k) for k in op.keys], args)
-        if type(op) is Lookup:
-            return (None, [names.record(op.key)], list(_FIELDS))
-        if type(op) is Claim:
-            return ("claim", [names.record(op.key)], [self._lease_ms])
-        if type(op) is Save:
-            quota = op.quota if op.quota is not None else _DEFAULT_QUOTA
-            response = op.response
-            zset, sizes = names.scope(op.scope)
-            return (
-                "save",
-                [names.record(op.key), zset, sizes, names.total_zset, names.total_sizes],
-                [
-                    str(op.token),
-                    response.digest,
-                    response.status,
-                    _encode_headers(response.headers),
-                    response.body,
-                    max(1, math.ceil(op.ttl * 1000)),
-                    quota.scope_bytes,
-                    quota.total_bytes,
-                    names.channel,
-                    op.key,
-                ],
-            )
-        if type(op) is Release:
-            return ("release", [names.record(op.key)], [str(op.token), names.channel, op.key])
-        raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
-
-    def _settle(self, op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
-        if type(op) is Hit:
-            # result: how many of the alike hits were allowed, the time, the counts
-            # before them, the milliseconds left of each window.
-            n = len(op.keys)
-            settle_alike(
-                alike if alike is not None else (op,),
-                int(result[0]),
-                [int(c) for c in result[2 : 2 + n]],
-                [r / 1000.0 for r in result[2 + n : 2 + 2 * n]],
-                result[1] / 1000.0,
-            )
-        elif type(op) is Lookup:
-            digest, status, headers, body = result
-            op.result = None if digest is None else _stored(digest, status, headers, body)
-        elif type(op) is Claim:
-            if result[0] == 0:
-                op.held = True
-                op.retry_after = result[1] / 1000.0
-            elif result[0] == 1:
-                op.stored = _stored(*result[1:5])
-            else:
-                op.token = int(result[1])
-                self._held[op.key] = op.token
-        elif type(op) is Save:
-            op.outcome = result.decode() if isinstance(result, bytes) else str(result)  # type: ignore[assignment]
-            if op.token and self._held.get(op.key) == op.token:
-                del self._held[op.key]
-        elif type(op) is Release:
-            op.released = result == 1
-            if self._held.get(op.key) == op.token:
-                del self._held[op.key]
-
-    async def _execute(self, client: Redis, commands: list[_Command]) -> list[Any]:
+    async def _execute(self, client: Redis, commands: list[Command]) -> list[Any]:
         """Send ``commands`` as one pipeline and check every reply."""
         results = await self._send(client, commands)
         for result in results:
@@ -340,7 +246,7 @@ class RedisStore:
                 raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
         return results
 
-    async def _send(self, client: Redis, commands: list[_Command]) -> list[Any]:
+    async def _send(self, client: Redis, commands: list[Command]) -> list[Any]:
         """One pipeline; scripts the server lost are loaded and rerun; per-command errors kept."""
         from redis.exceptions import NoScriptError
 
@@ -358,7 +264,7 @@ class RedisStore:
             raise StoreError(f"Redis store {_redacted(self.url)}: {exc!r}") from exc
         return results
 
-    async def _pipeline(self, client: Redis, commands: list[_Command]) -> list[Any]:
+    async def _pipeline(self, client: Redis, commands: list[Command]) -> list[Any]:
         scripts = self._scripts
         async with client.pipeline(transaction=False) as pipe:
             for script, keys, args in commands:

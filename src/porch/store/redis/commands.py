@@ -1,0 +1,108 @@
+"""How a store op becomes one Redis command, and how the command's reply settles the op.
+
+A command is a server-side script call (by name; the store runs it by SHA) or,
+for a Lookup, a plain HMGET of the key's record. The store sends a batch's
+commands as one pipeline and settles each op from its reply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ...errors import StoreError
+from ..alike import settle_alike
+from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
+from .keys import KeyNames
+
+__all__ = ["Command", "command", "settle"]
+
+_DEFAULT_QUOTA = Quota()
+# (script name, or None for a plain HMGET of the record; keys; arguments)
+Command = tuple[str | None, list[bytes], list[bytes | str | int]]
+_FIELDS = (b"d", b"s", b"h", b"b")
+
+
+def _encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    return json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]).encode()
+
+
+def _stored(digest: bytes, status: bytes, headers: bytes, body: bytes) -> StoredResponse:
+    return StoredResponse(
+        bytes(digest),
+        int(status),
+        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
+        bytes(body),
+    )
+
+
+def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None = None) -> Command:
+    """The command that applies ``op`` (``alike``: the hits collapsed into it)."""
+    if type(op) is Hit:
+        args: list[bytes | str | int] = [1 if alike is None else len(alike)]
+        for amount, window in zip(op.amounts, op.windows, strict=True):
+            args += [amount, max(1, math.ceil(window * 1000))]
+        return ("hit", [names.counter(k) for k in op.keys], args)
+    if type(op) is Lookup:
+        return (None, [names.record(op.key)], list(_FIELDS))
+    if type(op) is Claim:
+        return ("claim", [names.record(op.key)], [lease_ms])
+    if type(op) is Save:
+        quota = op.quota if op.quota is not None else _DEFAULT_QUOTA
+        response = op.response
+        zset, sizes = names.scope(op.scope)
+        return (
+            "save",
+            [names.record(op.key), zset, sizes, names.total_zset, names.total_sizes],
+            [
+                str(op.token),
+                response.digest,
+                response.status,
+                _encode_headers(response.headers),
+                response.body,
+                max(1, math.ceil(op.ttl * 1000)),
+                quota.scope_bytes,
+                quota.total_bytes,
+                names.channel,
+                op.key,
+            ],
+        )
+    if type(op) is Release:
+        return ("release", [names.record(op.key)], [str(op.token), names.channel, op.key])
+    raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
+
+
+def settle(held: dict[str, int], op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
+    """Fill ``op`` in from its command's reply; ``held``: the claims this process holds."""
+    if type(op) is Hit:
+        # result: how many of the alike hits were allowed, the time, the counts
+        # before them, the milliseconds left of each window.
+        n = len(op.keys)
+        settle_alike(
+            alike if alike is not None else (op,),
+            int(result[0]),
+            [int(c) for c in result[2 : 2 + n]],
+            [r / 1000.0 for r in result[2 + n : 2 + 2 * n]],
+            result[1] / 1000.0,
+        )
+    elif type(op) is Lookup:
+        digest, status, headers, body = result
+        op.result = None if digest is None else _stored(digest, status, headers, body)
+    elif type(op) is Claim:
+        if result[0] == 0:
+            op.held = True
+            op.retry_after = result[1] / 1000.0
+        elif result[0] == 1:
+            op.stored = _stored(*result[1:5])
+        else:
+            op.token = int(result[1])
+            held[op.key] = op.token
+    elif type(op) is Save:
+        op.outcome = result.decode() if isinstance(result, bytes) else str(result)  # type: ignore[assignment]
+        if op.token and held.get(op.key) == op.token:
+            del held[op.key]
+    elif type(op) is Release:
+        op.released = result == 1
+        if held.get(op.key) == op.token:
+            del held[op.key]
