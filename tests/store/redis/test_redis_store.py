@@ -17,6 +17,7 @@ from porch.errors import ConfigurationError
 from porch.store.base import Claim, Hit, Lookup, Save, StoredResponse
 from porch.store.redis import RedisStore
 from servers import running_redis
+from support import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -158,10 +159,7 @@ async def test_close_releases_the_claims_this_process_holds(redis_url: str, pref
             assert held.held
             other.claims.watch(c.key, functools.partial(woken.append, c.key), held.retry_after)
         await holder.close()
-        for _ in range(100):
-            if len(woken) == 5:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: len(woken) == 5, "every watch woken", within=10)
         assert sorted(woken) == sorted(c.key for c in claims)  # by message, not lease (30 s)
         taken = [Claim(c.key) for c in claims]
         await other.apply(taken)
@@ -177,10 +175,7 @@ async def test_a_lost_subscription_wakes_every_watched_key_once(
     for i in range(3):
         store.claims.watch(f"s\x1fw{i}", functools.partial(woken.append, f"w{i}"), None)
     assert await client.client_kill_filter(_type="pubsub") >= 1
-    for _ in range(200):
-        if len(woken) == 3:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(woken) == 3, "every watch woken by the resubscription", within=20)
     assert sorted(woken) == ["w0", "w1", "w2"]
     assert store.claims.reconnects == 1
     # Subscribed again: a save's message reaches a new watch.
@@ -192,10 +187,7 @@ async def test_a_lost_subscription_wakes_every_watched_key_once(
     store.claims.watch("s\x1flate", lambda: late.append(1), None)
     response = StoredResponse(b"d", 200, (), b"")
     await store.apply([Save("s\x1flate", response, 60, token=owner.token)])
-    for _ in range(100):
-        if late:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: late, "the save's message reached the new watch", within=10)
     assert late == [1]
     assert sorted(woken) == ["w0", "w1", "w2"]  # each woken once
 
@@ -212,11 +204,14 @@ async def test_a_server_killed_and_restarted_with_aof_keeps_counts(appendfsync: 
             server.stop(kill=True)  # kill -9: only what is in the AOF survives
             server.start()
             after = Hit(keys, [10, 10], [3600.0, 3600.0])
-            for _ in range(100):  # the pool reconnects by itself
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:  # the pool reconnects by itself
                 try:
                     await store.apply([after])
                     break
                 except Exception:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
                     await asyncio.sleep(0.1)
             assert after.counts == [8, 8]
         finally:
