@@ -171,9 +171,14 @@ def test_example(example: Example, tmp_path: Path) -> None:
         # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly.
         assert process.wait(30) in (0, -signal.SIGTERM)
     log = (tmp_path / "server.log").read_text()
-    if example.name != "django-asgi":  # Django has no lifespan: its pool is never closed
-        # Every process closed its store (the last connection to close removes the WAL):
-        # lifespan shutdown under uvicorn, the exit handler in each gunicorn worker.
+    if example.server == "uvicorn" and example.name != "django-asgi":
+        # The process closed its store at lifespan shutdown: closing the last connection
+        # removes the WAL. (Django has no lifespan: its pool is never closed.) Not asserted
+        # for gunicorn's two workers: SQLite removes the WAL only when the connection
+        # closing is the file's only one, so two workers told to stop at once and closing
+        # at the same moment may each see the other and both leave it (1 run in 25 under
+        # load); a leftover WAL is recovered at the next open. What their log shows of
+        # their exit is checked below: no "Task was destroyed", no traceback.
         assert not (tmp_path / "porch.sqlite3-wal").exists()
     assert "Task was destroyed" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
