@@ -29,6 +29,7 @@ from demo_server import DEMO_KEY_PREFIX, DemoLauncher, DemoServer, launch_demos,
 
 from porch.store.redis.keys import KeyNames
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
+from support import wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -45,6 +46,10 @@ class Shared(Protocol):
 
     def count(self, client: str = CLIENT) -> int:
         """The demo limiter's stored count for ``client`` (0 without a row)."""
+        ...
+
+    def claims(self) -> int:
+        """Idempotency claims held now (a host inside a keyed checkout holds one)."""
         ...
 
 
@@ -66,6 +71,16 @@ class SQLite:
             ).fetchall()
         return int(rows[0][0]) if rows else 0
 
+    def claims(self) -> int:
+        # A claim is an OFD lock on the lock file, which the kernel lists in /proc/locks
+        # (a line "N: -> OFDLCK ..." is a watcher blocked on one, not a claim).
+        locks = self.path.with_name(self.path.name + ".locks")
+        if not locks.exists():
+            return 0
+        inode = str(locks.stat().st_ino)
+        fields = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+        return sum(1 for f in fields if f[1] == "OFDLCK" and f[5].rsplit(":", 1)[1] == inode)
+
 
 class Postgres:
     """A database of this test's own on a server of its own (which it may stop or freeze)."""
@@ -83,6 +98,14 @@ class Postgres:
             self.url, "SELECT count FROM porch.counters WHERE key = $1", DEMO_KEY_PREFIX + client
         )
         return int(rows[0][0]) if rows else 0
+
+    def claims(self) -> int:
+        # A claimed key's record has an owner token and no stored response yet.
+        return int(
+            _pg(self.url, "SELECT count(*) FROM porch.records WHERE status IS NULL AND token > 0")[
+                0
+            ][0]
+        )
 
     def cpu_seconds(self) -> float:
         """CPU time used so far by the server and every backend process."""
@@ -121,6 +144,17 @@ class Redis:
         finally:
             connection.close()
         return int(value) if value is not None else 0
+
+    def claims(self) -> int:
+        import redis
+
+        connection = redis.Redis.from_url(self.url, socket_timeout=10)
+        try:
+            # A record's field o is its current owner's token ('0': none).
+            owners = [connection.hget(k, "o") for k in connection.scan_iter(match="porch:r:*")]
+        finally:
+            connection.close()
+        return sum(1 for o in owners if o not in (None, b"0"))
 
     def cpu_seconds(self) -> float:
         """CPU time used so far by redis-server."""
@@ -285,7 +319,7 @@ def test_an_owner_killed_mid_checkout_is_taken_over_and_replayed(
             owner = asyncio.create_task(
                 client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "k9"})
             )
-            await asyncio.sleep(0.7)  # a is inside the checkout now, holding the key
+            await _claimed(shared, "a is inside the checkout, holding the key")
             a.kill()
             with pytest.raises(httpx.HTTPError):
                 await owner
@@ -371,6 +405,22 @@ def test_a_stopped_or_frozen_server_is_503_never_a_hang_and_recovers(
         _served_within(host, 20.0)
 
 
+def _parked(*hosts: DemoServer) -> int:
+    """Duplicates parked on the hosts now (their porch_parked_waiters gauges)."""
+    total = 0.0
+    for host in hosts:
+        text = httpx.get(f"{host.base_url}/metrics", timeout=TIMEOUT, trust_env=False).text
+        for line in text.splitlines():
+            if line.startswith("porch_parked_waiters{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+async def _claimed(shared: Shared, what: str) -> None:
+    """Wait (off the loop: the requests in flight need it) until one key is claimed."""
+    await asyncio.to_thread(wait_until, lambda: shared.claims() == 1, what, 20.0)
+
+
 def _served_within(host: DemoServer, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while True:
@@ -396,7 +446,7 @@ def test_a_frozen_owner_is_taken_over_and_fenced_when_it_wakes(
             owner = asyncio.create_task(
                 client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "zz"})
             )
-            await asyncio.sleep(0.7)
+            await _claimed(shared, "a is inside the checkout, holding the key")
             os.killpg(a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             try:
                 started = time.monotonic()
@@ -440,7 +490,7 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
             owner = asyncio.create_task(
                 client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "p"})
             )
-            await asyncio.sleep(0.5)
+            await _claimed(shared, "a is inside the checkout, holding the key")
             parked = [
                 asyncio.create_task(
                     client.post(
@@ -451,7 +501,9 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
                 )
                 for i in range(11)
             ]
-            await asyncio.sleep(1.0)  # all parked now
+            await asyncio.to_thread(
+                wait_until, lambda: _parked(a, b) == 11, "all eleven parked", 20.0
+            )
             pids = _host_pids(a) + _host_pids(b)
             before_hosts = _cpu(pids)
             before_db = shared.cpu_seconds() if isinstance(shared, Postgres | Redis) else 0.0
