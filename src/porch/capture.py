@@ -171,7 +171,7 @@ class Capture:
             # The handler's work is done: deliver the response, but say
             # loudly that a retry will not be able to replay it.
             # Throttled: with the store down, every owner would say it.
-            self.middleware._log.event(
+            self.middleware.events.log.event(
                 logging.ERROR,
                 ("store", "save"),
                 asyncio.get_running_loop().time(),
@@ -184,9 +184,9 @@ class Capture:
             )
             return
         if outcome == "quota":
-            self.middleware._over_quota(self.caller)
+            self.middleware.events.over_quota(self.caller)
         elif outcome == "fenced":
-            self.middleware._count_unstored("fenced")
+            self.middleware.events.count_unstored("fenced")
             # Another owner claimed the key meanwhile (this claim had ended): its
             # response is the stored one; this one is delivered but never replayed.
             logger.error(

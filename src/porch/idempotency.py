@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from ._asgi import pass_through
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .capture import TOKEN, Capture
+from .capture import Capture
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -25,7 +24,7 @@ from .errors import (
     SaturatedError,
     StoreError,
 )
-from .eventlog import EventLog
+from .idempotency_events import IdempotencyEvents
 from .idempotency_keys import (
     CallerScope,
     InvalidKey,
@@ -33,56 +32,17 @@ from .idempotency_keys import (
     parse_key,
     request_digest,
 )
+from .idempotency_rules import IdempotencyRule, select
 from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
 from .pool import KeyPool
 from .responses import BytesResponse, problem
-from .rules import normalize_method, path_matches
+from .rules import normalize_method
 from .store.base import Quota, StoredResponse
 
-__all__ = ["IdempotencyMiddleware", "IdempotencyRule"]
+__all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyRule"]
 
-logger = logging.getLogger("porch.idempotency")
-
+DEFAULT_RULE = IdempotencyRule()  # frozen: POST and PATCH on every path, key optional
 DEFAULT_QUOTA = Quota()  # frozen: 8 MiB of stored responses per caller scope, 1 GiB in total
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class IdempotencyRule:
-    """Which requests honour ``Idempotency-Key``: a path prefix and methods; ``required`` → 400
-    for a selected request that has no key. ``digest_headers`` names request headers that
-    change a request's meaning (an account header, say), digested with ``Content-Type``."""
-
-    path: str
-    methods: frozenset[str]
-    required: bool
-    digest_headers: tuple[bytes, ...]
-
-    def __init__(
-        self,
-        path: str = "/",
-        *,
-        methods: Iterable[str] = ("POST", "PATCH"),
-        required: bool = False,
-        digest_headers: Iterable[str] = (),
-    ) -> None:
-        if not path.startswith("/"):
-            raise ConfigurationError(f"idempotency rule path must start with '/', got {path!r}")
-        methods = frozenset(normalize_method(m) for m in methods)
-        if not methods:
-            raise ConfigurationError("an idempotency rule needs at least one method")
-        if isinstance(digest_headers, str):
-            raise ConfigurationError("digest_headers must be a sequence of header names")
-        names = [b"content-type"]
-        for header in digest_headers:
-            name = header.strip().lower().encode("latin-1")
-            if TOKEN.fullmatch(name) is None:
-                raise ConfigurationError(f"digest_headers entry {header!r} is not a header name")
-            if name not in names:
-                names.append(name)
-        object.__setattr__(self, "path", path.rstrip("/") or "/")
-        object.__setattr__(self, "methods", methods)
-        object.__setattr__(self, "required", required)
-        object.__setattr__(self, "digest_headers", tuple(names))
 
 
 class IdempotencyMiddleware:
@@ -106,7 +66,7 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         pool: KeyPool,
-        rules: Sequence[IdempotencyRule] | IdempotencyRule = IdempotencyRule(),
+        rules: Sequence[IdempotencyRule] | IdempotencyRule = DEFAULT_RULE,
         scope: ScopeFunc | None = None,
         ttl: float = 86400.0,
         wait_timeout: float = 30.0,
@@ -150,45 +110,8 @@ class IdempotencyMiddleware:
         self.max_body = max_body
         self.max_stored = max_stored
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
-        # Refusals and 503s are logged, throttled per caller scope and outcome.
-        self._log = EventLog(logger)
         self.quota = quota
-        metrics = pool.metrics
-        self._outcomes = metrics.idempotency if metrics is not None else None
-        self._causes = metrics.causes if metrics is not None else None
-        self._unstored = metrics.unstored if metrics is not None else None
-
-    def _event(
-        self, scope: Scope, outcome: str, status: int, level: int, message: str, *args: object
-    ) -> None:
-        """Count ``outcome`` and log it (at most once a second per caller scope and outcome)."""
-        if self._outcomes is not None and outcome in self._outcomes:
-            self._outcomes[outcome].inc()
-        if self._causes is not None and outcome in self._causes:
-            self._causes[outcome].inc()
-        try:
-            caller = self._scope(scope)
-        except ForwardingHeaderError:
-            caller = "unidentified"
-        self._log.event(
-            level,
-            (outcome, caller),
-            asyncio.get_running_loop().time(),
-            1.0,
-            message,
-            *args,
-            scope=caller,
-            outcome=outcome,
-            cause=outcome if status == 503 else None,
-            status=status,
-            path=scope.get("path"),
-        )
-
-    def _select(self, method: str, path: str) -> IdempotencyRule | None:
-        for rule in self._rules:
-            if method in rule.methods and path_matches(rule.path, path):
-                return rule
-        return None
+        self.events = IdempotencyEvents(pool.metrics, self._scope, quota)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.enabled:
@@ -197,14 +120,14 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        rule = self._select(normalize_method(scope["method"]), scope["path"])
+        rule = select(self._rules, normalize_method(scope["method"]), scope["path"])
         if rule is None:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"idempotency-key"]
         if not values:
             if rule.required:
-                self._event(
+                self.events.event(
                     scope,
                     "invalid",
                     400,
@@ -220,7 +143,7 @@ class IdempotencyMiddleware:
         try:
             key = parse_key(values)
         except InvalidKey as exc:
-            self._event(
+            self.events.event(
                 scope,
                 "invalid",
                 400,
@@ -234,7 +157,7 @@ class IdempotencyMiddleware:
         try:
             body = await self._read_body(receive)
         except _BodyTooLarge:
-            self._event(
+            self.events.event(
                 scope,
                 "too_large",
                 413,
@@ -259,7 +182,7 @@ class IdempotencyMiddleware:
         try:
             caller = self._scope(scope)
         except ForwardingHeaderError as exc:
-            self._event(
+            self.events.event(
                 scope,
                 "invalid",
                 400,
@@ -315,7 +238,7 @@ class IdempotencyMiddleware:
                     self._report(key, acquire.token, caller, None)
                 raise
         except TimeoutError:
-            self._event(
+            self.events.event(
                 scope,
                 "conflict",
                 409,
@@ -330,7 +253,7 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
         except SaturatedError as exc:
-            self._event(
+            self.events.event(
                 scope,
                 "saturated",
                 503,
@@ -343,7 +266,7 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
         except (StoreError, PoolClosedError) as exc:
-            self._event(
+            self.events.event(
                 scope,
                 "store",
                 503,
@@ -356,13 +279,13 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
 
-        outcomes = self._outcomes
+        outcomes = self.events.outcomes
         if isinstance(outcome, StoredResponse):
             if outcomes is not None:
                 outcomes["replayed"].inc()
             await _replay(outcome)(scope, receive, send)
         elif isinstance(outcome, Mismatch):
-            self._event(
+            self.events.event(
                 scope,
                 "mismatch",
                 422,
@@ -402,27 +325,6 @@ class IdempotencyMiddleware:
             # Reports of unstored responses are not awaited; never leave an error unretrieved.
             done.add_done_callback(_retrieve)
         return done
-
-    def _count_unstored(self, reason: str) -> None:
-        if self._unstored is not None:
-            self._unstored[reason].inc()
-
-    def _over_quota(self, caller: str) -> None:
-        self._count_unstored("quota")
-        # A client over its quota must not choose the log volume: once a minute per scope.
-        self._log.event(
-            logging.WARNING,
-            ("quota", caller),
-            asyncio.get_running_loop().time(),
-            60.0,
-            "porch: stored responses of scope %r would exceed the quota (%d bytes per scope,"
-            " %d in total); a response was sent but not stored, its key released",
-            caller[:64],
-            self.quota.scope_bytes,
-            self.quota.total_bytes,
-            scope=caller,
-            outcome="quota",
-        )
 
 
 class _BodyTooLarge(Exception):

@@ -1,0 +1,82 @@
+"""What the idempotency middleware counts and logs: refusals, 503s, unstored responses.
+
+Logs are throttled per caller scope and outcome (:class:`~porch.eventlog.EventLog`),
+so a client cannot choose the log volume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ._types import Scope
+from .errors import ForwardingHeaderError
+from .eventlog import EventLog
+from .idempotency_keys import ScopeFunc
+from .metrics import PorchMetrics
+from .store.base import Quota
+
+__all__ = ["IdempotencyEvents"]
+
+logger = logging.getLogger("porch.idempotency")
+
+
+class IdempotencyEvents:
+    """The metrics and throttled log lines of one idempotency middleware."""
+
+    __slots__ = ("_causes", "_scope", "_unstored", "log", "outcomes", "quota")
+
+    def __init__(self, metrics: PorchMetrics | None, scope: ScopeFunc, quota: Quota) -> None:
+        self._scope = scope
+        self.quota = quota
+        self.log = EventLog(logger)
+        self.outcomes = metrics.idempotency if metrics is not None else None
+        self._causes = metrics.causes if metrics is not None else None
+        self._unstored = metrics.unstored if metrics is not None else None
+
+    def event(
+        self, scope: Scope, outcome: str, status: int, level: int, message: str, *args: object
+    ) -> None:
+        """Count ``outcome`` and log it (at most once a second per caller scope and outcome)."""
+        if self.outcomes is not None and outcome in self.outcomes:
+            self.outcomes[outcome].inc()
+        if self._causes is not None and outcome in self._causes:
+            self._causes[outcome].inc()
+        try:
+            caller = self._scope(scope)
+        except ForwardingHeaderError:
+            caller = "unidentified"
+        self.log.event(
+            level,
+            (outcome, caller),
+            asyncio.get_running_loop().time(),
+            1.0,
+            message,
+            *args,
+            scope=caller,
+            outcome=outcome,
+            cause=outcome if status == 503 else None,
+            status=status,
+            path=scope.get("path"),
+        )
+
+    def count_unstored(self, reason: str) -> None:
+        if self._unstored is not None:
+            self._unstored[reason].inc()
+
+    def over_quota(self, caller: str) -> None:
+        self.count_unstored("quota")
+        # A client over its quota must not choose the log volume: once a minute per scope.
+        self.log.event(
+            logging.WARNING,
+            ("quota", caller),
+            asyncio.get_running_loop().time(),
+            60.0,
+            "porch: stored responses of scope %r would exceed the quota (%d bytes per scope,"
+            " %d in total); a response was sent but not stored, its key released",
+            caller[:64],
+            self.quota.scope_bytes,
+            self.quota.total_bytes,
+            scope=caller,
+            outcome="quota",
+        )
