@@ -3,6 +3,13 @@
     python benchmarks/ab.py [--base main] [--head REV] [--variants bare,limiter]
                             [--connections 1,64] [--rounds 3] [--duration 3]
 
+``--variants`` names bench.py cases (benchmarks/cases.py: ``bare-post,idem-first``
+sends each case's requests), points of the keys curve (``keys-1,keys-1000000``:
+the limiter, N distinct forwarded clients) or plain app variants (GET /, against ``bare``). A
+baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``) is
+measured on this tree only, and each other case's ratio is taken against its
+baseline of the same round.
+
 The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
 directory and put first on the servers' ``PYTHONPATH``; this checkout's runs
 use its own (or ``--head``'s, exported alike). Every point (connections,
@@ -25,7 +32,20 @@ from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, Server, load
+from cases import CASES, GET, Case
 from cpu import thread_cpu
+from curves import keys_lua
+
+_CASES = {case.name: case for case in CASES}
+
+
+def case(name: str) -> Case:
+    """The bench.py case of that name; ``keys-N``: the limiter with N distinct clients
+    (curves.py's keys curve) against ``keys-1``; else the plain variant on GET / against bare."""
+    if name.startswith("keys-"):
+        lua = keys_lua(int(name[5:]))
+        return Case(name, "limiter", lua, "keys-1", name, env={"BENCH_TRUST_HOPS": "1"})
+    return _CASES.get(name) or Case(name, name, GET, "bare", name)
 
 
 def export(rev: str, into: Path) -> Path:
@@ -39,17 +59,18 @@ def export(rev: str, into: Path) -> Path:
 
 
 def measure(
-    variant: str, src: Path | None, connections: int, duration: int, tmp: Path
+    case: Case, src: Path | None, connections: int, duration: int, tmp: Path
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
-    env = {"PYTHONPATH": f"{src}:{ROOT}"} if src is not None else None
-    server = Server(variant, data, env=env)
+    env = {**case.env, "PYTHONPATH": f"{src}:{ROOT}"} if src is not None else dict(case.env)
+    server = Server(case.variant, data, env=env)
+    path, lua = case.path, case.lua
     try:
-        load(server.url, "/", "", connections=connections, duration=1, tmp=tmp)
+        load(server.url, path, lua, connections=connections, duration=1, tmp=tmp)
         pid = server.pids()[0]
         gc0 = server.stats()["gc_collections"]
         before = thread_cpu(pid)
-        r = load(server.url, "/", "", connections=connections, duration=duration, tmp=tmp)
+        r = load(server.url, path, lua, connections=connections, duration=duration, tmp=tmp)
         after = thread_cpu(pid)
         gc1 = server.stats()["gc_collections"]
     finally:
@@ -92,12 +113,15 @@ def main() -> int:
         trees: list[tuple[str, Path | None]] = [("base", base_src), ("this", head_src)]
         for round_ in range(args.rounds):
             for c in conns:
-                bare: float | None = None
+                baselines: dict[str, float] = {}
                 for variant in variants:
-                    for tree, src in trees if variant != "bare" else trees[1:]:
-                        r = measure(variant, src, c, args.duration, tmp)
-                        if variant == "bare":
-                            bare = r["rps"]
+                    this = case(variant)
+                    baseline = this.baseline == this.name
+                    for tree, src in trees[1:] if baseline else trees:
+                        r = measure(this, src, c, args.duration, tmp)
+                        if baseline:
+                            baselines[this.name] = r["rps"]
+                        bare = baselines.get(this.baseline)
                         r["ratio"] = r["rps"] / bare if bare else float("nan")
                         runs.setdefault((c, variant, tree), []).append(r)
                         print(

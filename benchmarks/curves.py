@@ -1,9 +1,10 @@
 """Scaling curves: throughput against concurrency and against distinct client keys,
 and the store file and process RSS under a churn of clients that never return.
 
-    python benchmarks/curves.py [--duration 3] [--churn-seconds 30]
+    python benchmarks/curves.py [--duration 3] [--churn-seconds 30] [--only keys]
 
-Writes benchmarks/curves.json (drawn by benchmarks/render.py).
+Writes benchmarks/curves.json (drawn by benchmarks/render.py); with ``--only``, just
+that curve (concurrency, keys or churn), printed and not written.
 """
 
 from __future__ import annotations
@@ -195,8 +196,19 @@ def main() -> int:
     parser.add_argument("--churn-seconds", type=int, default=30)
     parser.add_argument("--churn-window", type=float, default=1.0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "curves.json"))
+    parser.add_argument("--only", choices=("concurrency", "keys", "churn"), default="")
     args = parser.parse_args()
     started = time.monotonic()
+    if args.only:
+        with tempfile.TemporaryDirectory(prefix="porch-curves-") as tmpdir:
+            tmp = Path(tmpdir)
+            if args.only == "churn":
+                curve: Any = churn(args.churn_seconds, args.churn_window, tmp)
+            else:
+                run = concurrency_curve if args.only == "concurrency" else keys_curve
+                curve = run(args.duration, tmp)
+        print(json.dumps(curve, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="porch-curves-") as tmpdir:
         tmp = Path(tmpdir)
         report = {

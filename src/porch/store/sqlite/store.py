@@ -54,6 +54,9 @@ logger = logging.getLogger("porch.store")
 # How long close() at interpreter exit waits for the writer to finish its last batch.
 _EXIT_JOIN = 10.0
 
+# The writer's page cache (KiB): the hot part of a million counter rows.
+CACHE_KIB = 16 << 10
+
 # A busy writer counts the file's free pages on every this many transactions.
 _FREELIST_EVERY = 8
 
@@ -326,6 +329,9 @@ class SQLiteStore:
         # A checkpointed WAL is cut back to this size instead of keeping its peak.
         conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
+        # Many distinct keys spread their rows over many pages; past SQLite's default
+        # 2 MiB of cache each batch would read them back from the OS, page by page.
+        conn.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
         conn.execute("BEGIN IMMEDIATE")
         try:
             migrate(conn)
