@@ -279,17 +279,32 @@ class _Relook(Call):
             self.state.close(exc)
 
 
+# A save of a body above this many bytes is applied on its own (see Complete).
+ALONE_ABOVE = 64 * 1024
+# Those saves while they are out: the loop keeps only weak references to tasks.
+_alone: set[asyncio.Task[None]] = set()
+
+
 class Complete(Call):
     """The owner's report: a fenced :class:`Save` of its response, or a :class:`Release`.
 
     The future gets what became of it (:data:`Report`) once committed.
+
+    A save of a big body (above ``ALONE_ABOVE``) leaves the shard's batch: it is
+    applied on its own while the shard answers that batch and goes on to the
+    next, so other callers' decisions never wait for it in the shard (the store
+    then commits it apart from them, see ``store/sqlite/upkeep.FairBatches``).
+    Nothing about its key moves meanwhile: the key stays parked on its owner
+    until the save commits (callers who come for it wait), so only other keys'
+    operations pass it.
     """
 
-    __slots__ = ("op",)
+    __slots__ = ("alone", "op")
 
     def __init__(self, future: asyncio.Future[Report], op: Save | Release) -> None:
         super().__init__(future)
         self.op = op
+        self.alone = False  # applied on its own: the shard's finish and fail are not its own
 
     @classmethod
     def of(
@@ -307,9 +322,40 @@ class Complete(Call):
         return cls(future, Save(key, response, ttl, token=token, scope=scope, quota=quota))
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        ops.append(self.op)
+        op = self.op
+        if type(op) is Save and len(op.response.body) > ALONE_ABOVE:
+            self.alone = True
+            task = asyncio.get_running_loop().create_task(self._apply_alone(shard))
+            _alone.add(task)
+            task.add_done_callback(_alone.discard)
+            return
+        ops.append(op)
+
+    async def _apply_alone(self, shard: Shard) -> None:
+        metrics = shard.metrics
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await shard.store.apply([self.op])
+        except Exception as exc:
+            error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
+            if error is not exc:
+                logger.error("porch shard %d: unexpected failure", shard.index, exc_info=exc)
+            self._failed(shard, error)
+            return
+        if metrics is not None:
+            metrics.committed(loop.time() - started, 1)
+        self._finished(shard)
 
     def finish(self, shard: Shard) -> None:
+        if not self.alone:
+            self._finished(shard)
+
+    def fail(self, shard: Shard | None, exc: BaseException) -> None:
+        if not self.alone:
+            self._failed(shard, exc)
+
+    def _finished(self, shard: Shard) -> None:
         # Committed: only now may waiters be told (or claim again).
         op = self.op
         outcome: Report = "released" if isinstance(op, Release) else cast(Report, op.outcome)
@@ -323,7 +369,7 @@ class Complete(Call):
         if not self.future.done():
             self.future.set_result(outcome)
 
-    def fail(self, shard: Shard | None, exc: BaseException) -> None:
+    def _failed(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
         if shard is not None:
             # Not stored (the store ended the claim with the failed transaction): the
