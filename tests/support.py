@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["NoClaims", "settle", "until", "wait_until"]
+__all__ = ["NoClaims", "settle", "sqlite_claims", "until", "wait_until"]
 
 # Long enough for a loaded 2-core machine; a condition that holds is seen at once anyway.
 DEADLINE = 10.0
@@ -45,6 +46,20 @@ async def settle(turns: int = 50) -> None:
     """
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+def sqlite_claims(path: Path) -> int:
+    """Idempotency claims held now, by any process, on the SQLite store file ``path``.
+
+    A claim is an OFD lock on ``<path>.locks``, which the kernel lists in /proc/locks
+    (a line "N: -> OFDLCK ..." is a watcher blocked on one, not a claim).
+    """
+    locks = path.with_name(path.name + ".locks")
+    if not locks.exists():
+        return 0
+    inode = str(locks.stat().st_ino)
+    fields = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+    return sum(1 for f in fields if f[1] == "OFDLCK" and f[5].rsplit(":", 1)[1] == inode)
 
 
 class NoClaims:

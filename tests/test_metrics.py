@@ -46,11 +46,13 @@ async def test_every_outcome_is_counted(tmp_path: Path) -> None:
     metrics = PorchMetrics()
     pool = KeyPool(SQLiteStore(tmp_path), size=2, metrics=metrics)
     release = asyncio.Event()
+    held = asyncio.Event()  # the /slow owner is inside the handler, holding its key
 
     async def shop(scope: Scope, receive: Receive, send: Send) -> None:
         while (await receive()).get("more_body"):
             pass
         if scope["path"] == "/slow":
+            held.set()
             await release.wait()
         await send({"type": "http.response.start", "status": 201, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
@@ -73,7 +75,7 @@ async def test_every_outcome_is_counted(tmp_path: Path) -> None:
             assert (await post(b"x" * 11, "k2")).status_code == 413  # too_large
             assert (await c.post("/o", headers={b"Idempotency-Key": b"\xff"})).status_code == 400
             owner = asyncio.ensure_future(post(b"s", "k3", "/slow"))  # executed, held
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(held.wait(), 10)
             assert (await post(b"s", "k3", "/slow")).status_code == 409  # conflict
             release.set()
             await owner

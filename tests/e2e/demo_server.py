@@ -389,5 +389,17 @@ def order_rows(server: DemoServer) -> list[tuple[int, str, int]]:
     return [(int(i), str(item), int(qty)) for i, item, qty in rows]
 
 
+def parked_waiters(server: DemoServer) -> int:
+    """Duplicates parked on ``server`` now: its porch_parked_waiters gauges (one process)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30, trust_env=False).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("porch_parked_waiters{")
+        )
+    )
+
+
 def orders_count(server: DemoServer) -> int:
     return len(order_rows(server))

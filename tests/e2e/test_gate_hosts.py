@@ -25,11 +25,18 @@ from typing import Any, Protocol
 
 import httpx
 import pytest
-from demo_server import DEMO_KEY_PREFIX, DemoLauncher, DemoServer, launch_demos, orders_count
+from demo_server import (
+    DEMO_KEY_PREFIX,
+    DemoLauncher,
+    DemoServer,
+    launch_demos,
+    orders_count,
+    parked_waiters,
+)
 
 from porch.store.redis.keys import KeyNames
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
-from support import wait_until
+from support import sqlite_claims, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -72,14 +79,7 @@ class SQLite:
         return int(rows[0][0]) if rows else 0
 
     def claims(self) -> int:
-        # A claim is an OFD lock on the lock file, which the kernel lists in /proc/locks
-        # (a line "N: -> OFDLCK ..." is a watcher blocked on one, not a claim).
-        locks = self.path.with_name(self.path.name + ".locks")
-        if not locks.exists():
-            return 0
-        inode = str(locks.stat().st_ino)
-        fields = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
-        return sum(1 for f in fields if f[1] == "OFDLCK" and f[5].rsplit(":", 1)[1] == inode)
+        return sqlite_claims(self.path)
 
 
 class Postgres:
@@ -405,17 +405,6 @@ def test_a_stopped_or_frozen_server_is_503_never_a_hang_and_recovers(
         _served_within(host, 20.0)
 
 
-def _parked(*hosts: DemoServer) -> int:
-    """Duplicates parked on the hosts now (their porch_parked_waiters gauges)."""
-    total = 0.0
-    for host in hosts:
-        text = httpx.get(f"{host.base_url}/metrics", timeout=TIMEOUT, trust_env=False).text
-        for line in text.splitlines():
-            if line.startswith("porch_parked_waiters{"):
-                total += float(line.rsplit(" ", 1)[1])
-    return int(total)
-
-
 async def _claimed(shared: Shared, what: str) -> None:
     """Wait (off the loop: the requests in flight need it) until one key is claimed."""
     await asyncio.to_thread(wait_until, lambda: shared.claims() == 1, what, 20.0)
@@ -502,7 +491,10 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
                 for i in range(11)
             ]
             await asyncio.to_thread(
-                wait_until, lambda: _parked(a, b) == 11, "all eleven parked", 20.0
+                wait_until,
+                lambda: parked_waiters(a) + parked_waiters(b) == 11,
+                "all eleven parked",
+                20.0,
             )
             pids = _host_pids(a) + _host_pids(b)
             before_hosts = _cpu(pids)

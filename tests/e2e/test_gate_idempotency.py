@@ -41,6 +41,8 @@ from demo_server import (
     source_port,
 )
 
+from support import sqlite_claims
+
 pytestmark = [pytest.mark.e2e]
 
 HERE = Path(__file__).resolve().parent
@@ -494,7 +496,7 @@ def test_kill_mid_checkout_does_not_wedge_the_key(demo: DemoLauncher) -> None:
 
     thread = threading.Thread(target=in_flight, daemon=True)
     thread.start()
-    time.sleep(0.5)  # inside the 3 s checkout: owner taken, nothing inserted yet
+    wait_until(lambda: sqlite_claims(server.db_path) == 1, "inside the checkout: owner taken")
     assert orders_count(server) == 0
     server.kill()
     thread.join(timeout=10.0)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_server import DemoLauncher, DemoServer, launch_demos, orders_count
+from demo_server import DemoLauncher, DemoServer, launch_demos, orders_count, parked_waiters
+
+from support import sqlite_claims, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -95,9 +97,8 @@ def test_a_killed_owner_host_frees_the_key_for_the_other_host(
 ) -> None:
     # Catches: a claim that outlives its process (a durable marker, a lease): the
     # other host would wait it out or answer 409 instead of serving the key.
-    hosts = two_hosts(
-        demo, tmp_path / "shared.sqlite3", limit=10_000, window=60, checkout_latency=3
-    )
+    store = tmp_path / "shared.sqlite3"
+    hosts = two_hosts(demo, store, limit=10_000, window=60, checkout_latency=3)
     key = {"Idempotency-Key": "crash-1"}
 
     async def scenario() -> httpx.Response:
@@ -105,11 +106,15 @@ def test_a_killed_owner_host_frees_the_key_for_the_other_host(
             owner = asyncio.create_task(
                 client.post(f"{hosts[0].base_url}/orders", json=ORDER, headers=key)
             )
-            await asyncio.sleep(1.0)  # host 0 owns the key, mid-checkout
+            await asyncio.to_thread(
+                wait_until, lambda: sqlite_claims(store) == 1, "host 0 owns the key", 20.0
+            )
             waiter = asyncio.create_task(
                 client.post(f"{hosts[1].base_url}/orders", json=ORDER, headers=key)
             )
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(
+                wait_until, lambda: parked_waiters(hosts[1]) == 1, "host 1 parks it", 20.0
+            )
             assert not waiter.done()
             hosts[0].kill()
             killed = time.monotonic()

@@ -28,6 +28,8 @@ import httpx
 import pytest
 from demo_server import DemoLauncher, DemoServer, launch_demos, order_rows, read_response
 
+from support import sqlite_claims, wait_until
+
 pytestmark = [pytest.mark.e2e]
 
 WORKERS = 4
@@ -403,7 +405,7 @@ def test_worker_killed_mid_checkout_frees_the_key(demo: DemoLauncher) -> None:
         assert victim == int(headers["x-demo-worker"]), (victim, headers)
 
         send_request(sock, "POST", "/orders", keyed(key), body)
-        time.sleep(0.5)  # inside the 3 s checkout: the key is owned, nothing inserted yet
+        wait_until(lambda: sqlite_claims(server.db_path) == 1, "inside the checkout: owned")
         assert socket_holder(server, client_port) == victim
         assert order_rows(server) == []
         os.kill(victim, signal.SIGKILL)
@@ -490,7 +492,9 @@ def test_parked_waiters_across_workers_cost_no_cpu(demo: DemoLauncher) -> None:
             owner_task = asyncio.create_task(
                 conns[0].http.post("/orders", content=body, headers=headers)
             )
-            await asyncio.sleep(0.3)  # the owner is inside its checkout, holding the key
+            await asyncio.to_thread(
+                wait_until, lambda: sqlite_claims(server.db_path) == 1, "the owner holds it", 20.0
+            )
             dup_tasks = [
                 asyncio.create_task(c.http.post("/orders", content=body, headers=headers))
                 for c in conns[1:]
