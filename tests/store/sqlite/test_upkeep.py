@@ -7,16 +7,17 @@ import asyncio
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from porch.clock import ManualClock
-from porch.store.base import Hit, Lookup, Save, StoredResponse
+from porch.store.base import Hit, Lookup, Save, StoredResponse, StoreOp
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.schema import migrate
-from porch.store.sqlite.upkeep import FREE_PAGES, WAL_LIMIT
+from porch.store.sqlite.upkeep import FREE_PAGES, WAL_LIMIT, Checkpoints, FairBatches
 
 pytestmark = pytest.mark.anyio
 
@@ -237,3 +238,53 @@ async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
     assert peak < 8 * WAL_LIMIT, f"WAL grew to {peak / 2**20:.1f} MiB"
     with sqlite3.connect(store.path) as conn:
         assert conn.execute("SELECT count(*) FROM counts").fetchone()[0] == 30_000
+
+
+def test_fair_batches_hold_big_saves_while_asked_and_small_ones_still_go() -> None:
+    small: list[StoreOp] = [Hit(["k"], [1], [60.0])]
+    big: list[StoreOp] = [Save("s\x1fk", StoredResponse(b"d" * 32, 201, (), b"x" * MIB), 60.0)]
+    fair: FairBatches[list[StoreOp]] = FairBatches(lambda job: job)
+    assert fair.next_transaction([big, small], hold_big=True) == [small]
+    assert fair  # the big one waits
+    assert fair.next_transaction([small], hold_big=True) == [small]
+    assert fair.next_transaction([small]) == [small, big]
+    assert not fair
+
+
+def test_a_wal_catch_up_holds_big_saves_until_the_checkpoint_thread_copied_them(
+    tmp_path: Path,
+) -> None:
+    # Catches: the writer copying, on the commit path, every page big saves wrote during
+    # the last background round (a decision waited up to 170 ms); a hold never released.
+    path = tmp_path / "wal.sqlite3"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("PRAGMA journal_mode = WAL")
+    writer.execute("CREATE TABLE t (b BLOB)")
+    failures: list[sqlite3.Error] = []
+    checkpoints = Checkpoints(
+        lambda: sqlite3.connect(path, isolation_level=None, check_same_thread=False),
+        failures.append,
+    )
+    checkpoints.start(writer, "test-checkpoint")
+
+    def commits_until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10.0
+        while not condition():
+            assert time.monotonic() < deadline, "condition never held"
+            writer.execute("INSERT INTO t VALUES (x'00')")  # a decision's small commit
+            checkpoints.committed(writer)
+            time.sleep(0.001)
+
+    try:
+        writer.execute("INSERT INTO t VALUES (zeroblob(?))", (2 * WAL_LIMIT,))
+        checkpoints.committed(writer)
+        commits_until(lambda: checkpoints.holding)  # the WAL is past its limit: hold
+        commits_until(lambda: not checkpoints.holding)  # one more round copied it: go
+        writer.execute("INSERT INTO t VALUES (x'00')")
+        with sqlite3.connect(path) as other:  # the WAL restarted from its start
+            _, frames, _ = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert frames < 16
+    finally:
+        checkpoints.stop()
+        writer.close()
+    assert failures == []

@@ -36,6 +36,7 @@ from .ops import apply_batch
 from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
 from .upkeep import (
     FREE_PAGES,
+    HOLD_POLL,
     UPKEEP_PAGES,
     WAL_LIMIT,
     Checkpoints,
@@ -275,7 +276,8 @@ class SQLiteStore:
                 self._inline_busy = True
             self._transaction(conn, ops)
             if self._checkpoints is not None:
-                self._checkpoints.committed(conn)
+                # Never a catch-up copy here: it would stall the loop (the writer does it).
+                self._checkpoints.committed(conn, catch_up=False)
         except Exception:
             return False  # rolled back: the writer applies it (and reports what fails)
         finally:
@@ -399,15 +401,21 @@ class SQLiteStore:
         upkept = -1  # transactions committed by the last upkeep's time
         while True:
             arrived: list[_Job] = []
-            if not fair and not stopping:
+            holding = checkpoints.holding
+            if (holding or not fair) and not stopping:
                 try:
                     # Inline commits (see apply_then) leave work for upkeep too: while they
-                    # may come, the writer looks every upkeep_after seconds.
+                    # may come, the writer looks every upkeep_after seconds. While big saves
+                    # are held for a checkpoint, it looks often for that checkpoint's end.
                     inline = self.durability == "process"
-                    job = get(timeout=self.upkeep_after) if idle_work or inline else get()
+                    wait = HOLD_POLL if holding else self.upkeep_after
+                    job = get(timeout=wait) if idle_work or inline or holding else get()
                 except queue.Empty:
                     with self._conn_lock:
-                        if idle_work or self._transactions != upkept:
+                        if holding:
+                            self._writer_owns(conn)
+                            checkpoints.committed(conn)
+                        elif idle_work or self._transactions != upkept:
                             self._writer_owns(conn)
                             idle_work = self._upkeep(conn)
                             upkept = self._transactions
@@ -429,7 +437,7 @@ class SQLiteStore:
                     stopping = True
                 else:
                     arrived.append(more)
-            jobs = fair.next_transaction(arrived)
+            jobs = fair.next_transaction(arrived, hold_big=checkpoints.holding and not stopping)
             if jobs:
                 with self._conn_lock:
                     self._writer_owns(conn)

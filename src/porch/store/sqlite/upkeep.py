@@ -21,7 +21,15 @@ from typing import Generic, TypeVar
 from ..base import Save, StoreOp
 from .ops import prune_expired
 
-__all__ = ["FREE_PAGES", "WAL_LIMIT", "Checkpoints", "FairBatches", "give_back", "upkeep"]
+__all__ = [
+    "FREE_PAGES",
+    "HOLD_POLL",
+    "WAL_LIMIT",
+    "Checkpoints",
+    "FairBatches",
+    "give_back",
+    "upkeep",
+]
 
 BIG_BATCH = 64 * 1024
 COMMIT_BYTES = 1 << 20
@@ -52,9 +60,10 @@ class FairBatches(Generic[J]):
         """Whether big jobs are still waiting for a transaction."""
         return bool(self._big)
 
-    def next_transaction(self, arrived: list[J]) -> list[J]:
+    def next_transaction(self, arrived: list[J], hold_big: bool = False) -> list[J]:
         """The jobs for the next transaction: every small one that arrived, then big ones
-        up to the byte cap (at least one, so big saves always progress)."""
+        up to the byte cap (at least one, so big saves always progress; none while
+        ``hold_big``: a checkpoint is catching up, see Checkpoints)."""
         jobs: list[J] = []
         for job in arrived:
             size = saved_bytes(self._ops(job))
@@ -64,7 +73,7 @@ class FairBatches(Generic[J]):
                 jobs.append(job)
         big = self._big
         budget = COMMIT_BYTES
-        while big and (budget == COMMIT_BYTES or big[0][1] <= budget):
+        while big and not hold_big and (budget == COMMIT_BYTES or big[0][1] <= budget):
             job, size = big.popleft()
             jobs.append(job)
             budget -= size
@@ -103,6 +112,8 @@ def upkeep(conn: sqlite3.Connection, now: Callable[[], float]) -> bool:
 # WAL checkpoints off the commit path (see Checkpoints): at most one background
 # checkpoint per this many seconds while commits come.
 CHECKPOINT_PACE = 0.1
+# While big saves are held for a checkpoint, an idle writer looks this often for its end.
+HOLD_POLL = 0.002
 
 
 class Checkpoints:
@@ -124,9 +135,27 @@ class Checkpoints:
     since, between two of its transactions: still PASSIVE, never waiting for a
     reader (``porch inspect``), so other processes' writers may delay the restart
     to the next round, as with SQLite's own checkpoints.
+
+    That copy is short only if the background left little: with big saves
+    coming, it is every megabyte saved during the last background round and an
+    fsync, and every decision queued behind it waited that long (up to 170 ms
+    measured). So first the writer holds big saves (``holding``; decisions still
+    commit) while one more background round copies what the big saves wrote;
+    then the writer copies only the decisions' few frames since, and lets the big
+    saves go. A decision never waits for a big save's pages to be checkpointed.
     """
 
-    __slots__ = ("_catch_up", "_connect", "_failed", "_limit", "_nudge", "_stopping", "_thread")
+    __slots__ = (
+        "_catch_up",
+        "_connect",
+        "_drained",
+        "_failed",
+        "_limit",
+        "_nudge",
+        "_stopping",
+        "_thread",
+        "holding",
+    )
 
     def __init__(
         self,
@@ -138,6 +167,10 @@ class Checkpoints:
         self._nudge = threading.Event()
         self._stopping = threading.Event()
         self._catch_up = False
+        # Big saves held for a background round (set and cleared by the writer); that
+        # round done (set by the checkpoint thread).
+        self.holding = False
+        self._drained = False
         self._limit = WAL_LIMIT // 4096
         self._thread: threading.Thread | None = None
 
@@ -156,10 +189,18 @@ class Checkpoints:
         self._thread = threading.Thread(target=self._run, args=(conn,), name=name, daemon=True)
         self._thread.start()
 
-    def committed(self, writer: sqlite3.Connection) -> None:
-        """After each of the writer's transactions: wake the thread, or catch up."""
-        if self._catch_up:
-            self._catch_up = False
+    def committed(self, writer: sqlite3.Connection, catch_up: bool = True) -> None:
+        """After each of the writer's transactions: wake the thread, hold big saves for
+        it, or catch up once it copied what they wrote (not when ``catch_up`` is False:
+        a commit on the event loop)."""
+        if self._catch_up and catch_up:
+            if not self.holding:
+                self.holding, self._drained = True, False
+                self._nudge.set()
+                return
+            if not self._drained:
+                return
+            self._catch_up = self.holding = False
             try:
                 writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             except sqlite3.Error as exc:
@@ -184,16 +225,20 @@ class Checkpoints:
                 self._nudge.clear()
                 if self._stopping.is_set():
                     return
+                held = self.holding  # big saves held since before this round began
                 try:
                     _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 except sqlite3.Error as exc:
                     self._failed(exc)
                     frames = self._limit
-                if frames >= self._limit:
+                if held:
+                    self._drained = True
+                elif frames >= self._limit:
                     self._catch_up = True
                 if frames < self._limit // 2:
                     # A short WAL can wait; a long one is copied back to back (its
                     # length is bounded by what the writer adds during one copy).
                     self._stopping.wait(CHECKPOINT_PACE)
         finally:
+            self._drained = True  # never leave big saves held for a thread that is gone
             conn.close()
