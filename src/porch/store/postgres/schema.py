@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import StoreError
 from .function import APPLY_FUNCTION
+from .hits import HITS_FUNCTION
 
 if TYPE_CHECKING:
     from asyncpg import Connection
@@ -99,4 +100,5 @@ async def migrate(conn: Connection, schema: str) -> int:
             await conn.execute(_MIGRATIONS[number].format(s=s))
             await conn.execute(f"INSERT INTO {s}.migrations (version) VALUES ($1)", number + 1)
         await conn.execute(APPLY_FUNCTION.replace("{s}", s))
+        await conn.execute(HITS_FUNCTION.replace("{s}", s))
     return version

@@ -2,8 +2,9 @@
 
 One round trip per batch: every queued batch (a shard's drain; batches of
 several shards that queue while the connections are busy are coalesced) is
-sent as ONE call of the server-side function ``<schema>.apply`` in autocommit
-mode, which is one transaction. The function locks every row it touches in
+sent as ONE call of the server-side function ``<schema>.apply_v2`` (a batch
+of hits alone: the leaner ``hits_v1``, see hits.py) in autocommit mode, which
+is one transaction. The function locks every row it touches in
 one global order, reads the server's clock, and decides each operation in
 arrival order; window arithmetic therefore uses the database server's clock,
 never an app host's.
@@ -40,6 +41,7 @@ from ..alike import collapse_hits
 from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
 from .claims import ListenerClaims
 from .codec import Op, Renew, arguments, settle
+from .hits import hit_arguments, settle_hits
 from .schema import migrate, quote_schema
 
 if TYPE_CHECKING:
@@ -128,6 +130,7 @@ class PostgresStore:
             + ", ".join(f"${n}" for n in range(1, 22))
             + ")"
         )
+        self._hits_sql = f"SELECT * FROM {quote_schema(schema)}.hits_v1($1, $2, $3, $4, $5, $6, $7)"
         self._queue: asyncio.Queue[_Job | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
         self._workers: list[asyncio.Task[None]] = []
@@ -328,10 +331,18 @@ class PostgresStore:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
             sent, alike = collapse_hits(ops)
-            rows = await asyncio.wait_for(
-                conn.fetch(self._sql, *self._arguments(sent, alike)), self.statement_timeout + 0.5
-            )
-            settle(sent, alike, rows, self._held)
+            if sent and all(type(op) is Hit for op in sent):  # the limiter: a lean function
+                rows = await asyncio.wait_for(
+                    conn.fetch(self._hits_sql, *hit_arguments(sent, alike, self.prune_batch)),
+                    self.statement_timeout + 0.5,
+                )
+                settle_hits(sent, alike, rows)
+            else:
+                rows = await asyncio.wait_for(
+                    conn.fetch(self._sql, *self._arguments(sent, alike)),
+                    self.statement_timeout + 0.5,
+                )
+                settle(sent, alike, rows, self._held)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     self._forget(job_ops)
