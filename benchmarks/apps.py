@@ -90,7 +90,9 @@ def create() -> Starlette:
             from porch.store.postgres import PostgresStore
 
             return PostgresStore(
-                os.environ["BENCH_POSTGRES"], schema=os.environ.get("BENCH_SCHEMA", "porch")
+                os.environ["BENCH_POSTGRES"],
+                schema=os.environ.get("BENCH_SCHEMA", "porch"),
+                in_flight=int(os.environ.get("BENCH_PG_IN_FLIGHT", "2")),  # for A/B of the depth
             )
         if variant.endswith("-redis"):
             from porch.store.redis import RedisStore
