@@ -8,7 +8,8 @@ sends each case's requests), points of the keys curve (``keys-1,keys-1000000``:
 the limiter, N distinct forwarded clients) or plain app variants (GET /, against ``bare``). A
 baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``) is
 measured on this tree only, and each other case's ratio is taken against its
-baseline of the same round.
+baseline of the same round. Cases on PostgreSQL or Redis (``limiter-postgres``,
+``slowapi-redis``) get throwaway servers as in bench.py, fresh tables per run.
 
 The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
 directory and put first on the servers' ``PYTHONPATH``; this checkout's runs
@@ -23,15 +24,18 @@ benchmarks/cpu.py. Prints; writes nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, Server, load
+from _stores import Postgres, Redis
 from cases import CASES, GET, Case
 from cpu import thread_cpu
 from curves import keys_lua
@@ -58,11 +62,36 @@ def export(rev: str, into: Path) -> Path:
     return into / "src"
 
 
+@contextlib.contextmanager
+def store_servers(cases: list[Case]) -> Iterator[dict[str, Any]]:
+    """The throwaway PostgreSQL and Redis servers the cases need (as bench.py), stopped after."""
+    servers: dict[str, Any] = {}
+    try:
+        if any(c.postgres for c in cases):
+            servers["postgres"] = Postgres()
+        for fsync in sorted({c.redis for c in cases if c.redis}):
+            servers[fsync] = Redis(appendfsync=fsync)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def measure(
-    case: Case, src: Path | None, connections: int, duration: int, tmp: Path
+    case: Case,
+    src: Path | None,
+    connections: int,
+    duration: int,
+    tmp: Path,
+    servers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
     env = {**case.env, "PYTHONPATH": f"{src}:{ROOT}"} if src is not None else dict(case.env)
+    if case.redis and servers:
+        env["BENCH_REDIS"] = servers[case.redis].url
+    if case.postgres and servers:
+        env["BENCH_POSTGRES"] = servers["postgres"].url
+        env["BENCH_SCHEMA"] = data.name.replace("-", "_").lower()  # fresh tables per run
     server = Server(case.variant, data, env=env)
     path, lua = case.path, case.lua
     try:
@@ -106,7 +135,10 @@ def main() -> int:
     variants = args.variants.split(",")
     conns = [int(c) for c in args.connections.split(",")]
     runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="porch-ab-") as tmpdir:
+    with (
+        tempfile.TemporaryDirectory(prefix="porch-ab-") as tmpdir,
+        store_servers([case(v) for v in variants]) as servers,
+    ):
         tmp = Path(tmpdir)
         base_src = export(args.base, tmp / "base")
         head_src = export(args.head, tmp / "head") if args.head else None
@@ -118,7 +150,7 @@ def main() -> int:
                     this = case(variant)
                     baseline = this.baseline == this.name
                     for tree, src in trees[1:] if baseline else trees:
-                        r = measure(this, src, c, args.duration, tmp)
+                        r = measure(this, src, c, args.duration, tmp, servers)
                         if baseline:
                             baselines[this.name] = r["rps"]
                         bare = baselines.get(this.baseline)
