@@ -151,7 +151,9 @@ class Redis:
         connection = redis.Redis.from_url(self.url, socket_timeout=10)
         try:
             # A record's field o is its current owner's token ('0': none).
-            owners = [connection.hget(k, "o") for k in connection.scan_iter(match="porch:r:*")]
+            owners: list[Any] = [
+                connection.hget(k, "o") for k in connection.scan_iter(match="porch:r:*")
+            ]
         finally:
             connection.close()
         return sum(1 for o in owners if o not in (None, b"0"))
