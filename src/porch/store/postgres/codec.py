@@ -8,6 +8,7 @@ from typing import Any
 
 from ..alike import settle_alike
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
+from .hits import HitArrays
 
 __all__ = ["Op", "Renew", "arguments", "settle"]
 
@@ -36,13 +37,8 @@ def arguments(
     n = len(ops)
     kinds = [0] * n
     keys: list[str] = [""] * n
-    ukeys: dict[str, int] = {}
-    lidx: list[int] = []
-    lamounts: list[int] = []
-    lwindows: list[float] = []
+    hits = HitArrays()
     hops: list[int] = []
-    hstart: list[int] = []
-    hmult: list[int] = []
     tokens: list[int | None] = [None] * n
     digests: list[bytes | None] = [None] * n
     statuses: list[int | None] = [None] * n
@@ -57,13 +53,8 @@ def arguments(
         if isinstance(op, Hit):
             kinds[i] = _HIT
             hops.append(i + 1)
-            hstart.append(len(lidx) + 1)
             same = alike.get(i)
-            hmult.append(1 if same is None else len(same))
-            for key, amount, window in zip(op.keys, op.amounts, op.windows, strict=True):
-                lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
-                lamounts.append(amount)
-                lwindows.append(float(window))
+            hits.add(op, 1 if same is None else len(same))
             continue
         keys[i] = op.key
         if isinstance(op, Lookup):
@@ -93,7 +84,8 @@ def arguments(
             kinds[i] = _RENEW
             tokens[i] = op.token
     return [
-        kinds, keys, list(ukeys), lidx, lamounts, lwindows, hops, hstart, hmult, tokens,
+        kinds, keys, list(hits.ukeys), hits.lidx, hits.lamounts, hits.lwindows, hops,
+        hits.hstart, hits.hmult, tokens,
         digests, statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, lease, prune,
         channel,
     ]  # fmt: skip

@@ -6,6 +6,8 @@ protocol and schema.py for the tables it works on.
 
 from __future__ import annotations
 
+from .hits import LOCK_COUNTERS, decide_hits
+
 __all__ = ["APPLY_FUNCTION"]
 
 # The batch function is code, not data: every open creates (or replaces) it.
@@ -18,7 +20,8 @@ __all__ = ["APPLY_FUNCTION"]
 # identical hits sent as one: decided in turn, the first k allowed). One
 # output row per op; op 0 carries the server time. A hit's row says how many
 # of its m were allowed (code) and the counts before them.
-APPLY_FUNCTION = r"""
+APPLY_FUNCTION = (
+    r"""
 -- PL/pgSQL, not SQL: its statements' plans are cached for the session. Generic
 -- plans, always: by default the planner re-plans a statement with array
 -- parameters on every call (measured: a quarter of the server's CPU per batch),
@@ -146,15 +149,9 @@ BEGIN
                 WHERE z.slot = pg_backend_pid() % 64 FOR UPDATE;
         END IF;
     END IF;
-    IF nh > 0 THEN
-        INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
-            ON CONFLICT (key) DO NOTHING;
-        PERFORM 1 FROM counters c WHERE c.key = ANY (ukeys) ORDER BY c.key FOR UPDATE;
-        -- A row pruned between the insert and the lock comes back, locked by its insert.
-        INSERT INTO counters AS c (key, count, window_start, expires)
-            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
-            ON CONFLICT (key) DO NOTHING;
+    IF nh > 0 THEN"""
+    + LOCK_COUNTERS
+    + r"""
     END IF;
     IF claims THEN
         SELECT array_agg(DISTINCT keys[j]) INTO rkeys
@@ -177,39 +174,10 @@ BEGIN
     RETURN NEXT;
     num := NULL; tok := NULL; r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
 
-    -- Hits: each counter row is read once and written once per batch; in between
-    -- the hits are decided in arrival order on arrays (a refused hit consumes nothing).
-    IF nh > 0 THEN
-        SELECT array_agg(c.count ORDER BY u.n), array_agg(c.window_start ORDER BY u.n),
-               array_agg(c.expires ORDER BY u.n)
-            INTO cc, cs, ce
-            FROM unnest(ukeys) WITH ORDINALITY u(k, n)
-            CROSS JOIN LATERAL (SELECT x.* FROM counters x WHERE x.key = u.k) c;
-        FOR h IN 1 .. nh LOOP
-            a := hstart[h];
-            b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
-            sz := hmult[h];  -- how many of the m identical hits fit under every limit
-            counts := '{}'; resets := '{}';
-            FOR j IN a .. b LOOP
-                x := lidx[j];
-                IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
-                    cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
-                END IF;
-                sz := least(sz, greatest(lamounts[j] - cc[x], 0));
-                counts := counts || cc[x];
-                resets := resets || (ce[x] - t);
-            END LOOP;
-            IF sz > 0 THEN
-                FOR j IN a .. b LOOP
-                    cc[lidx[j]] := cc[lidx[j]] + sz;
-                END LOOP;
-            END IF;
-            op := hops[h]; code := sz;
-            RETURN NEXT;
-        END LOOP;
-        UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
-            FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
-            WHERE c.key = u.k AND c.key = ANY (ukeys);
+    -- Hits (the counter rows were locked and read above).
+    IF nh > 0 THEN"""
+    + decide_hits("hops[h]")
+    + r"""
         counts := NULL; resets := NULL;
     END IF;
 
@@ -354,11 +322,6 @@ BEGIN
     END IF;
 
     -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
-    IF nh > 0 THEN
-        DELETE FROM counters c WHERE c.key IN (
-            SELECT x.key FROM counters x WHERE x.expires <= t
-            ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
-    END IF;
     IF saved THEN
         PERFORM prune_responses(t, myslot, NULL, NULL, prune);
         -- Claims whose holder died and nobody took over.
@@ -369,3 +332,4 @@ BEGIN
 END
 $fn$;
 """
+)

@@ -17,32 +17,25 @@ from typing import Any
 from ..alike import settle_alike
 from ..base import Hit
 
-__all__ = ["HITS_FUNCTION", "hit_arguments", "settle_hits"]
+__all__ = [
+    "HITS_FUNCTION",
+    "LOCK_COUNTERS",
+    "HitArrays",
+    "decide_hits",
+    "hit_arguments",
+    "settle_hits",
+]
 
-# Inputs as apply_v2's hit arrays (ukeys, lidx, lamounts, lwindows, hstart,
-# hmult); one output row per hit, in order, plus row 0 with the server time.
-HITS_FUNCTION = r"""
-CREATE OR REPLACE FUNCTION {s}.hits_v1(
-    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hstart int[], hmult int[],
-    prune int
-) RETURNS TABLE (op int, code int, num float8, counts int[], resets float8[])
-LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
-DECLARE
-    t float8;
-    cc int[];
-    cs float8[];
-    ce float8[];
-    nk int := array_length(ukeys, 1);
-    nh int := array_length(hstart, 1);
-    nl int := array_length(lidx, 1);
-    a int;
-    b int;
-    x int;
-    sz int;
-BEGIN
-    -- Rows absent get created first (in key order, before any lock is held), then
-    -- every row is locked in key order and read in the same statement.
+# The counter step, one SQL text spliced into both functions (hits_v1 here and
+# apply_v2 in function.py), so the rule is written once. Inputs (the hits'
+# arrays, see HitArrays): ukeys, lidx, lamounts, lwindows, hstart, hmult; the
+# caller declares t, nh (the number of hits), cc, cs, ce (count, window start,
+# expiry per ukey), a, b, x, sz, has the output columns op, code, counts,
+# resets, and an argument prune (how many expired counters to delete at most).
+
+# Rows absent get created first (in key order, before any lock is held), then
+# every row is locked in key order and read in the same statement.
+LOCK_COUNTERS = r"""
     INSERT INTO counters AS c (key, count, window_start, expires)
         SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
         ON CONFLICT (key) DO NOTHING;
@@ -53,19 +46,26 @@ BEGIN
             FROM unnest(ukeys) WITH ORDINALITY u(k, n)
             JOIN (SELECT x.key, x.count, x.window_start, x.expires FROM counters x
                   WHERE x.key = ANY (ukeys) ORDER BY x.key FOR UPDATE) l ON l.key = u.k;
-        EXIT WHEN coalesce(array_length(cc, 1), 0) = nk OR attempt = 2;
+        EXIT WHEN coalesce(array_length(cc, 1), 0) = array_length(ukeys, 1) OR attempt = 2;
         -- A row pruned between the insert and the lock comes back, locked by its insert.
         INSERT INTO counters AS c (key, count, window_start, expires)
             SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
             ON CONFLICT (key) DO NOTHING;
     END LOOP;
-    t := extract(epoch FROM clock_timestamp());
-    op := 0; code := 0; num := t;
-    RETURN NEXT;
-    num := NULL;
+"""
+
+
+def decide_hits(op: str) -> str:
+    """The SQL deciding the locked counters' hits at time t, one output row per hit.
+
+    Each counter row is read once (LOCK_COUNTERS) and written once per batch;
+    in between the hits are decided in arrival order on arrays (a refused hit
+    consumes nothing). ``op``: the expression numbering hit h's output row.
+    """
+    return r"""
     FOR h IN 1 .. nh LOOP
         a := hstart[h];
-        b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE nl END;
+        b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
         sz := hmult[h];  -- how many of the m identical hits fit under every limit
         counts := '{}'; resets := '{}';
         FOR j IN a .. b LOOP
@@ -82,7 +82,7 @@ BEGIN
                 cc[lidx[j]] := cc[lidx[j]] + sz;
             END LOOP;
         END IF;
-        op := h; code := sz;
+        op := OP; code := sz;
         RETURN NEXT;
     END LOOP;
     UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
@@ -92,28 +92,79 @@ BEGIN
     DELETE FROM counters c WHERE c.key IN (
         SELECT x.key FROM counters x WHERE x.expires <= t
         ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
-END
+""".replace("op := OP;", f"op := {op};")
+
+
+# One output row per hit, in order, plus row 0 with the server time.
+HITS_FUNCTION = (
+    r"""
+CREATE OR REPLACE FUNCTION {s}.hits_v1(
+    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hstart int[], hmult int[],
+    prune int
+) RETURNS TABLE (op int, code int, num float8, counts int[], resets float8[])
+LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    t float8;
+    nh int := array_length(hstart, 1);
+    cc int[];
+    cs float8[];
+    ce float8[];
+    a int;
+    b int;
+    x int;
+    sz int;
+BEGIN"""
+    + LOCK_COUNTERS
+    + r"""
+    t := extract(epoch FROM clock_timestamp());
+    op := 0; code := 0; num := t;
+    RETURN NEXT;
+    num := NULL;"""
+    + decide_hits("h")
+    + r"""END
 $fn$;
 """
+)
+
+
+class HitArrays:
+    """A batch's hits flattened into the counter step's arrays (as both functions take them).
+
+    The distinct counter keys (``ukeys``, numbered from 1 in order of first
+    use), then per limit the number of its key, its amount and window, and per
+    hit its first limit and its multiplicity (m alike hits sent as one).
+    """
+
+    __slots__ = ("hmult", "hstart", "lamounts", "lidx", "lwindows", "ukeys")
+
+    def __init__(self) -> None:
+        self.ukeys: dict[str, int] = {}
+        self.lidx: list[int] = []
+        self.lamounts: list[int] = []
+        self.lwindows: list[float] = []
+        self.hstart: list[int] = []
+        self.hmult: list[int] = []
+
+    def add(self, hit: Hit, multiplicity: int) -> None:
+        lidx = self.lidx
+        ukeys = self.ukeys
+        self.hstart.append(len(lidx) + 1)
+        self.hmult.append(multiplicity)
+        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+            lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
+            self.lamounts.append(amount)
+            self.lwindows.append(float(window))
 
 
 def hit_arguments(hits: Sequence[Any], alike: dict[int, list[Hit]], prune: int) -> list[Any]:
     """hits_v1's arguments for a batch of hits (``alike``: see collapse_hits)."""
-    ukeys: dict[str, int] = {}
-    lidx: list[int] = []
-    lamounts: list[int] = []
-    lwindows: list[float] = []
-    hstart: list[int] = []
-    hmult: list[int] = []
+    arrays = HitArrays()
     for i, hit in enumerate(hits):
-        hstart.append(len(lidx) + 1)
         same = alike.get(i)
-        hmult.append(1 if same is None else len(same))
-        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
-            lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
-            lamounts.append(amount)
-            lwindows.append(float(window))
-    return [list(ukeys), lidx, lamounts, lwindows, hstart, hmult, prune]
+        arrays.add(hit, 1 if same is None else len(same))
+    a = arrays
+    return [list(a.ukeys), a.lidx, a.lamounts, a.lwindows, a.hstart, a.hmult, prune]
 
 
 def settle_hits(hits: Sequence[Any], alike: dict[int, list[Hit]], rows: list[Any]) -> None:
