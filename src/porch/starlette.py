@@ -23,7 +23,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import errors
 from .decisions import Refusal
@@ -141,7 +141,7 @@ def _checked(endpoint: E) -> E:
                 break
         return await endpoint(*args, **kwargs)
 
-    return checked  # type: ignore[return-value]
+    return cast(E, checked)
 
 
 def _not_installed(endpoint: object) -> Any:

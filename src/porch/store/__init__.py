@@ -66,7 +66,7 @@ def open_store(url: str, **options: Any) -> Store:
         return _sqlite(url, options)
     if scheme in ("postgresql", "postgres"):
         try:
-            from .postgres import PostgresStore  # type: ignore[import-not-found,unused-ignore]
+            from .postgres import PostgresStore
         except ImportError as exc:
             raise ConfigurationError(
                 f"the PostgreSQL store needs its driver: pip install 'porch[postgres]' ({exc})"
@@ -74,7 +74,7 @@ def open_store(url: str, **options: Any) -> Store:
         return cast_store(PostgresStore(url, **options))
     if scheme in ("redis", "rediss", "unix"):
         try:
-            from .redis import RedisStore  # type: ignore[import-not-found,unused-ignore]
+            from .redis import RedisStore
         except ImportError as exc:
             raise ConfigurationError(
                 f"the Redis store needs its driver: pip install 'porch[redis]' ({exc})"

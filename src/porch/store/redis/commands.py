@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, cast
 
 from ...errors import StoreError
 from ..alike import settle_alike
-from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
+from ..base import (
+    Claim,
+    Hit,
+    Lookup,
+    Quota,
+    Release,
+    Save,
+    SaveOutcome,
+    StoredResponse,
+    StoreOp,
+)
 from .keys import KeyNames
 
 __all__ = ["Command", "command", "settle"]
@@ -99,7 +109,8 @@ def settle(held: dict[str, int], op: StoreOp, result: Any, alike: list[Hit] | No
             op.token = int(result[1])
             held[op.key] = op.token
     elif type(op) is Save:
-        op.outcome = result.decode() if isinstance(result, bytes) else str(result)  # type: ignore[assignment]
+        text = result.decode() if isinstance(result, bytes) else str(result)
+        op.outcome = cast(SaveOutcome, text)  # the script returns one of SaveOutcome's values
         if op.token and held.get(op.key) == op.token:
             del held[op.key]
     elif type(op) is Release:
