@@ -11,7 +11,6 @@ the lock, never a read-modify-write from a request task.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -19,31 +18,19 @@ import shutil
 import sqlite3
 import tempfile
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..._files import private_directory, private_file, tighten
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ...eventlog import EventLog
-from ..base import Claims, Durability, Hit, Release, Save, StoreOp, StoreStatistics
+from ..base import Claims, Durability, Hit, StoreOp, StoreStatistics
 from .claims import SQLiteClaims, ofd_locks_available
-from .ops import apply_batch
-from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
-from .upkeep import (
-    FREE_PAGES,
-    HOLD_POLL,
-    UPKEEP_PAGES,
-    WAL_LIMIT,
-    Checkpoints,
-    FairBatches,
-    give_back,
-    upkeep,
-)
+from .upkeep import Checkpoints
+from .writer import Done, Job, SQLiteWriter, done_all, settle
 
 if TYPE_CHECKING:
     from .admin import SQLiteAdmin
@@ -55,22 +42,12 @@ logger = logging.getLogger("porch.store")
 # How long close() at interpreter exit waits for the writer to finish its last batch.
 _EXIT_JOIN = 10.0
 
-# The writer's page cache (KiB): the hot part of a million counter rows.
-CACHE_KIB = 16 << 10
-
-# A busy writer counts the file's free pages on every this many transactions.
-_FREELIST_EVERY = 8
-
 # Up to this many hits, a batch arriving while the writer is idle commits on the event
 # loop (durability="process" only): see SQLiteStore.apply_then.
 INLINE_OPS = 4
 
-# Called on the caller's loop with None once the batch committed, or with its error.
-Done = Callable[[BaseException | None], None]
-_Job = tuple[Sequence[StoreOp], asyncio.AbstractEventLoop, Done]
 
-
-class SQLiteStore:
+class SQLiteStore(SQLiteWriter):
     """Counters and stored responses in ``<directory>/<filename>``, WAL mode.
 
     ``durability="process"`` (default) survives the process being killed at any
@@ -130,7 +107,7 @@ class SQLiteStore:
         # Idempotency owners of every process sharing this file lock keys here.
         self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
         self.claims: Claims = self._claims
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Whoever uses the writer's connection holds this: the writer thread, or the
@@ -216,7 +193,7 @@ class SQLiteStore:
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         # The caller's loop settles it (the pool may have moved to another loop).
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.apply_then(ops, partial(_settle, future))
+        self.apply_then(ops, partial(settle, future))
         await future
 
     def apply_then(self, ops: Sequence[StoreOp], done: Done) -> None:
@@ -263,7 +240,7 @@ class SQLiteStore:
             for batch, done in jobs:
                 self._queue.put((batch, loop, done))
             return
-        _done_all([done for _, done in jobs], error)
+        done_all([done for _, done in jobs], error)
 
     def _commit_inline(self, ops: list[StoreOp]) -> bool:
         """Commit ``ops`` on this thread if the writer's connection is free; False if not."""
@@ -283,282 +260,3 @@ class SQLiteStore:
         finally:
             self._conn_lock.release()
         return True
-
-    # -- the writer thread -----------------------------------------------------------
-
-    def _connect(self) -> sqlite3.Connection:
-        # Client addresses and response bodies: owner-only, whatever the umask. The WAL
-        # and shared-memory files SQLite creates take the database file's mode.
-        private_directory(self.path.parent)
-        private_file(self.path)
-        # Several worker processes start at once on one file: switching a new file
-        # to WAL answers "locked" without waiting, so the opening is retried (with
-        # a short sleep: this is start-up, in the writer thread) for busy_timeout.
-        waited, delay = 0.0, 0.005
-        while True:
-            conn = sqlite3.connect(
-                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-            )
-            try:
-                self._prepare(conn)
-                # Known to be porch's file now: an earlier version created it 0644.
-                for suffix in ("", "-wal", "-shm"):
-                    tighten(self.path.with_name(self.path.name + suffix))
-                return conn
-            except sqlite3.OperationalError as exc:
-                conn.close()
-                busy = "locked" in str(exc) or "busy" in str(exc)
-                if not busy or waited >= max(self.busy_timeout, 0.1):
-                    raise
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, 0.1)
-            except BaseException:
-                conn.close()
-                raise
-
-    def _prepare(self, conn: sqlite3.Connection) -> None:
-        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-        check_not_foreign(conn)  # before anything could rewrite someone else's file
-        try:
-            if enable_incremental_vacuum(conn):
-                logger.info("porch: %s switched to incremental vacuum (one VACUUM)", self.path)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
-                raise  # another worker is opening the file: retried by _connect
-            logger.warning("porch: cannot switch %s to incremental vacuum: %s", self.path, exc)
-        conn.execute("PRAGMA journal_mode = WAL")
-        # A checkpointed WAL is cut back to this size instead of keeping its peak.
-        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
-        conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
-        # Many distinct keys spread their rows over many pages; past SQLite's default
-        # 2 MiB of cache each batch would read them back from the OS, page by page.
-        conn.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            migrate(conn)
-            if rebase_after_reboot(
-                conn, self.clock.boot_id(), self.clock.monotonic(), self.clock.wall()
-            ):
-                logger.info("porch: rebased stored windows after a reboot (%s)", self.path)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-
-    def _writer(self, ready: asyncio.Future[None]) -> None:
-        loop = self._loop
-        if loop is None:  # pragma: no cover - open() sets it before starting the thread
-            return
-        try:
-            conn = self._connect()
-        except Exception as exc:
-            failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
-            _call_soon(loop, _settle, ready, failed)
-            return
-        checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed)
-        checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
-        self._checkpoints = checkpoints
-        self._names = {}
-        self._conn = conn
-        _call_soon(loop, _settle, ready, None)
-        try:
-            self._serve(conn, checkpoints)
-        finally:
-            with self._conn_lock:
-                self._conn = None
-                self._checkpoints = None
-            checkpoints.stop()  # first: the last connection to close checkpoints the WAL
-            conn.close()
-
-    def _checkpointer(self) -> sqlite3.Connection:
-        return sqlite3.connect(
-            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-        )
-
-    def _checkpoint_failed(self, exc: sqlite3.Error) -> None:
-        with self._checkpoint_log[0]:  # from the writer's thread or the checkpointer's
-            self._checkpoint_log[1].event(
-                logging.WARNING,
-                "checkpoint",
-                self.clock.monotonic(),
-                60.0,
-                "porch: WAL checkpoint of %s failed: %s",
-                self.path,
-                exc,
-                cause="store",
-                store=str(self.path),
-            )
-
-    def _serve(self, conn: sqlite3.Connection, checkpoints: Checkpoints) -> None:
-        """Group commits until close(); upkeep when idle (see :mod:`.upkeep`)."""
-        get = self._queue.get
-        get_nowait = self._queue.get_nowait
-        fair: FairBatches[_Job] = FairBatches(lambda job: job[0])
-        stopping = False
-        idle_work = True  # after a batch, the next idle moment runs an upkeep
-        upkept = -1  # transactions committed by the last upkeep's time
-        while True:
-            arrived: list[_Job] = []
-            holding = checkpoints.holding
-            if (holding or not fair) and not stopping:
-                try:
-                    # Inline commits (see apply_then) leave work for upkeep too: while they
-                    # may come, the writer looks every upkeep_after seconds. While big saves
-                    # are held for a checkpoint, it looks often for that checkpoint's end.
-                    inline = self.durability == "process"
-                    wait = HOLD_POLL if holding else self.upkeep_after
-                    job = get(timeout=wait) if idle_work or inline or holding else get()
-                except queue.Empty:
-                    with self._conn_lock:
-                        if holding:
-                            self._writer_owns(conn)
-                            checkpoints.committed(conn)
-                        elif idle_work or self._transactions != upkept:
-                            self._writer_owns(conn)
-                            idle_work = self._upkeep(conn)
-                            upkept = self._transactions
-                            checkpoints.committed(conn)
-                    continue
-                if job is None:
-                    stopping = True
-                else:
-                    arrived.append(job)
-                    idle_work = True
-            # Group commit: everything queued by now joins this transaction (big saves
-            # beyond the cap wait for the next one).
-            while not stopping:
-                try:
-                    more = get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                else:
-                    arrived.append(more)
-            jobs = fair.next_transaction(arrived, hold_big=checkpoints.holding and not stopping)
-            if jobs:
-                with self._conn_lock:
-                    self._writer_owns(conn)
-                    self._run(conn, jobs)
-                    checkpoints.committed(conn)  # after the replies are on their way
-            if stopping and not fair:
-                return
-
-    def _writer_owns(self, conn: sqlite3.Connection) -> None:
-        """The writer waits for other processes' write locks again (an inline commit never)."""
-        if self._inline_busy:
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-            self._inline_busy = False
-
-    def _run(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
-        error: BaseException | None = None
-        try:
-            self._transaction(conn, [op for ops, _, _ in jobs for op in ops])
-        except Exception as exc:
-            self._failures += 1
-            # Throttled (once a second, with a count): a full disk fails every batch.
-            self._log.event(
-                logging.ERROR,
-                "transaction",
-                self.clock.monotonic(),
-                1.0,
-                "porch: SQLite transaction failed on %s: %s",
-                self.path,
-                exc,
-                cause="store",
-                store=str(self.path),
-            )
-            error = (
-                exc
-                if isinstance(exc, StoreError)
-                else StoreError(f"SQLite store {self.path}: {exc}")
-            )
-        first = jobs[0][1]
-        if all(loop is first for _, loop, _ in jobs):
-            _call_soon(first, _done_all, [done for _, _, done in jobs], error)
-        else:
-            for _, loop, done in jobs:
-                _call_soon(loop, done, error)
-
-    def _upkeep(self, conn: sqlite3.Connection) -> bool:
-        try:
-            return upkeep(conn, self.clock.monotonic)
-        except sqlite3.Error as exc:
-            self._log.event(
-                logging.WARNING,
-                "upkeep",
-                self.clock.monotonic(),
-                60.0,
-                "porch: idle upkeep of %s failed: %s",
-                self.path,
-                exc,
-                cause="store",
-                store=str(self.path),
-            )
-            return True
-
-    def _transaction(self, conn: sqlite3.Connection, ops: list[StoreOp]) -> None:
-        claims = self._claims
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            # The clock is read under the write lock, so every process decides on
-            # times that are ordered the same way as their transactions.
-            now = self.clock.monotonic()
-            wall = self.clock.wall()
-            apply_batch(conn, ops, now, wall, self.prune_batch, claims, self._names)
-            if self._transactions % _FREELIST_EVERY == 0:
-                # A busy store is never idle: give back a little at a time. Looked at
-                # on every few transactions only: it is one more statement each time.
-                (free,) = conn.execute("PRAGMA freelist_count").fetchone()
-                if free > FREE_PAGES:
-                    give_back(conn, UPKEEP_PAGES // 4)
-            conn.execute("COMMIT")
-        except BaseException:
-            try:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-            finally:
-                # Claims taken by this transaction end with it; so do the claims its
-                # saves and releases were ending (nothing was stored).
-                claims.rolled_back()
-                if claims.holds_any():
-                    _end_claims(claims, ops)
-            raise
-        claims.committed()
-        if claims.holds_any():
-            _end_claims(claims, ops)
-        self._transactions += 1
-        self._operations += len(ops)
-
-
-def _end_claims(claims: SQLiteClaims, ops: list[StoreOp]) -> None:
-    """After COMMIT or ROLLBACK: unlock the keys whose claims the batch's saves and releases
-    end (a fenced save names a token that is no longer current: it ends nothing)."""
-    for op in ops:
-        if (type(op) is Save or type(op) is Release) and claims.current(op.key, op.token):
-            claims.end(op.key)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
-    # A stopped and closed loop has nobody left to answer; the writer must live on.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)
-
-
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _done_all(dones: list[Done], error: BaseException | None) -> None:
-    for done in dones:
-        try:
-            done(error)
-        except Exception:  # one caller's failing reply must not strand the others
-            logger.exception("porch: a reply to a committed batch failed")
