@@ -376,7 +376,7 @@ def test_stored_headers_are_exactly_their_json(headers: tuple[tuple[bytes, bytes
     # Sizes count these bytes against quotas, and rows stored before read the same way.
     import json
 
-    from porch.store.sqlite.ops import headers_json
+    from porch.store.sqlite.saves import headers_json
 
     stored = headers_json(headers)
     assert stored == json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])

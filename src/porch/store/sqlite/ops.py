@@ -12,15 +12,16 @@ rolled-back transaction took.
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse, StoreOp
+from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
+from .saves import apply_writes, chunks
 
-__all__ = ["apply_batch", "prune_expired", "split_key", "stored_size"]
+__all__ = ["apply_batch", "prune_expired", "split_key"]
+
 
 _UPSERT_COUNTER = (
     "INSERT INTO counts (name, client, count, window_start, expires, wall_start)"
@@ -37,30 +38,10 @@ _PRUNE_RESPONSES = (
     "DELETE FROM responses WHERE key IN"
     " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
 )
-_UPSERT_RESPONSE = (
-    "INSERT INTO responses"
-    " (key, digest, status, headers, body, stored_at, expires, stored_wall, scope, size)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
-    " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
-    " expires = excluded.expires, stored_wall = excluded.stored_wall,"
-    " scope = excluded.scope, size = excluded.size"
-)
 # The claim epoch (the row was named when it held a plain counter; schema 3 created it).
 _SELECT_EPOCH = "SELECT value FROM porch_meta WHERE name = 'claim_token'"
 _UPDATE_EPOCH = "UPDATE porch_meta SET value = ? WHERE name = 'claim_token'"
-_PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
-# sqlite3 binds int, float, str and bytearray directly, but sends bytes through its
-# adapter lookup (a registry probe and two failed attribute lookups, ~1 us each): a
-# small blob is cheaper copied into a bytearray. A big one is not worth the copy.
-_COPY_BELOW = 64 << 10
-_SELECT_CHUNK = 256  # keys per SELECT ... IN (...), below SQLite's variable limit
 _US = "\x1f"
-
-
-def _chunks(keys: list[str]) -> Iterator[list[str]]:
-    for i in range(0, len(keys), _SELECT_CHUNK):
-        yield keys[i : i + _SELECT_CHUNK]
 
 
 def apply_batch(
@@ -92,12 +73,12 @@ def apply_batch(
             if type(op) is Claim or type(op) is Lookup:
                 _apply_reads(conn, [op], now, claims)
             elif type(op) is Save or type(op) is Release:
-                _apply_writes(conn, [op], now, wall, claims)
+                apply_writes(conn, [op], now, wall, claims)
     else:
         if reads:
             _apply_reads(conn, reads, now, claims)
         if writes:
-            _apply_writes(conn, writes, now, wall, claims)
+            apply_writes(conn, writes, now, wall, claims)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
@@ -113,7 +94,10 @@ def prune_expired(conn: sqlite3.Connection, now: float, rows: int) -> int:
 
 
 def _apply_reads(
-    conn: sqlite3.Connection, reads: list[Claim | Lookup], now: float, claims: SQLiteClaims
+    conn: sqlite3.Connection,
+    reads: list[Claim | Lookup],
+    now: float,
+    claims: SQLiteClaims,
 ) -> None:
     keys: list[str] = []
     for op in reads:
@@ -156,7 +140,7 @@ def _select_responses(
 ) -> dict[str, StoredResponse]:
     found: dict[str, StoredResponse] = {}
     expired: list[tuple[str]] = []
-    for chunk in _chunks(list(set(keys))):
+    for chunk in chunks(list(set(keys))):
         marks = ",".join("?" * len(chunk))
         for key, digest, status, headers, body, expires in conn.execute(
             "SELECT key, digest, status, headers, body, expires FROM responses"
@@ -175,128 +159,6 @@ def _select_responses(
     if expired:
         conn.executemany("DELETE FROM responses WHERE key = ?", expired)
     return found
-
-
-# Printable ASCII but '"' and '\\': bytes JSON writes as they are.
-_JSON_PLAIN = re.compile(rb"[ !#-\[\]-~]*")
-
-
-def headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
-    """The stored form of a response's headers: exactly ``json.dumps`` of the latin-1
-    pairs, written directly when every byte is plain (the usual head), which costs a
-    fraction of the encoder's setup per call."""
-    if _JSON_PLAIN.fullmatch(b" ".join([b" ".join(pair) for pair in headers])) is None:
-        return json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
-    return "[" + ", ".join([f'["{k.decode()}", "{v.decode()}"]' for k, v in headers]) + "]"
-
-
-def stored_size(key: str, response: StoredResponse, headers: str) -> int:
-    """The bytes a stored response counts against its quotas: key, digest, headers, body."""
-    return (
-        len(key.encode("utf-8", "surrogatepass"))
-        + len(response.digest)
-        + len(headers.encode("latin-1"))
-        + len(response.body)
-    )
-
-
-class _Usage:
-    """Stored bytes per scope and in total, read once per transaction and kept current."""
-
-    __slots__ = ("conn", "now", "pruned", "scopes", "total")
-
-    def __init__(self, conn: sqlite3.Connection, scopes: set[str], now: float) -> None:
-        self.conn = conn
-        self.now = now
-        self.scopes: dict[str, int] = dict.fromkeys(scopes, 0)
-        for chunk in _chunks(list(scopes)):
-            marks = ",".join("?" * len(chunk))
-            for scope, used in conn.execute(
-                f"SELECT scope, bytes FROM response_bytes WHERE scope IN ({marks})", chunk
-            ):
-                self.scopes[scope] = int(used)
-        self.total = self._read_total()
-        self.pruned = False
-
-    def _read_total(self) -> int:
-        return int(self.conn.execute("SELECT bytes FROM response_total").fetchone()[0])
-
-    def _reread(self) -> None:
-        # Pruning changed rows of scopes other than the one being checked, too.
-        for scope in self.scopes:
-            row = self.conn.execute(
-                "SELECT bytes FROM response_bytes WHERE scope = ?", (scope,)
-            ).fetchone()
-            self.scopes[scope] = 0 if row is None else int(row[0])
-        self.total = self._read_total()
-
-    def admit(self, scope: str, size: int, quota: Quota) -> bool:
-        """Whether ``size`` more bytes fit; expired rows are reclaimed before saying no."""
-        over = (
-            self.scopes[scope] + size > quota.scope_bytes or self.total + size > quota.total_bytes
-        )
-        if over and not self.pruned:
-            # Every expired row goes (through the expiry index), once per transaction:
-            # each row is deleted once, so a client at its quota cannot make this costly.
-            self.pruned = True
-            self.conn.execute(_PRUNE_ALL_EXPIRED, (self.now,))
-            self._reread()
-            over = (
-                self.scopes[scope] + size > quota.scope_bytes
-                or self.total + size > quota.total_bytes
-            )
-        if over:
-            return False
-        self.scopes[scope] += size
-        self.total += size
-        return True
-
-
-def _apply_writes(
-    conn: sqlite3.Connection,
-    writes: list[Save | Release],
-    now: float,
-    wall: float,
-    claims: SQLiteClaims,
-) -> None:
-    usage: _Usage | None = None
-    rows: list[tuple[Any, ...]] = []
-    for op in writes:
-        if type(op) is Release:
-            op.released = claims.current(op.key, op.token)
-            continue
-        if type(op) is not Save:  # pragma: no cover - only Save and Release are writes
-            continue
-        if op.token and not claims.current(op.key, op.token):
-            op.outcome = "fenced"  # a newer claim exists: never overwrite its response
-            continue
-        response = op.response
-        headers = headers_json(response.headers)
-        size = stored_size(op.key, response, headers)
-        if op.quota is not None:
-            if usage is None:
-                usage = _Usage(conn, {w.scope for w in writes if type(w) is Save and w.quota}, now)
-            if not usage.admit(op.scope, size, op.quota):
-                op.outcome = "quota"
-                continue
-        body = response.body
-        rows.append(
-            (
-                op.key,
-                bytearray(response.digest),
-                response.status,
-                headers,
-                bytearray(body) if len(body) <= _COPY_BELOW else body,
-                now,
-                now + op.ttl,
-                wall,
-                op.scope,
-                size,
-            )
-        )
-        op.outcome = "saved"
-    if rows:
-        conn.executemany(_UPSERT_RESPONSE, rows)
 
 
 # What a transaction must write for a counter row.
@@ -327,7 +189,7 @@ def _name_ids(
     if len(ids) == len(prefixes):
         return ids
     missing = [prefix for prefix in prefixes if prefix not in ids]
-    for chunk in _chunks(missing):
+    for chunk in chunks(missing):
         marks = ",".join("?" * len(chunk))
         for prefix, name in conn.execute(
             f"SELECT prefix, id FROM counter_names WHERE prefix IN ({marks})", chunk
@@ -354,7 +216,7 @@ def _apply_hits(
     names = _name_ids(conn, list(clients), known)
     for prefix, keys in clients.items():
         name = names[prefix]
-        for chunk in _chunks(list(keys)):
+        for chunk in chunks(list(keys)):
             marks = ",".join("?" * len(chunk))
             for client, count, start, expires, wall_start in conn.execute(
                 "SELECT client, count, window_start, expires, wall_start FROM counts"
