@@ -145,8 +145,10 @@ def test_a_client_at_429_flooding_does_not_turn_others_away(demo: DemoLauncher) 
 
 
 def porch_bytes(data_dir: Path) -> int:
-    """The size of porch's own files in a data directory (not the app's)."""
-    return sum(p.stat().st_size for p in data_dir.iterdir() if p.name.startswith("porch.sqlite3"))
+    """The size of porch's own files in a data directory (not the app's), its side file of
+    big bodies included."""
+    ours = ("porch.sqlite3", "porch-blobs.sqlite3")
+    return sum(p.stat().st_size for p in data_dir.iterdir() if p.name.startswith(ours))
 
 
 def test_one_client_cannot_grow_the_store_past_its_quota(
@@ -208,6 +210,7 @@ def test_porchs_files_are_not_readable_by_other_users(demo: DemoLauncher) -> Non
     with http(server) as c:
         assert c.post("/orders", content=order("tea"), headers=keyed("k")).status_code == 201
     files = list(server.data_dir.iterdir())
-    assert {"porch.sqlite3", "porch.sqlite3-wal", "orders.sqlite3"} <= {p.name for p in files}
+    names = {p.name for p in files}
+    assert {"porch.sqlite3", "porch.sqlite3-wal", "porch-blobs.sqlite3", "orders.sqlite3"} <= names
     for path in [server.data_dir, *files]:
         assert path.stat().st_mode & 0o077 == 0, (path.name, oct(path.stat().st_mode))

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
-from .saves import apply_writes, chunks
+from .saves import Bodies, apply_writes, chunks
 
 __all__ = ["apply_batch", "prune_expired", "split_key"]
 
@@ -52,10 +52,12 @@ def apply_batch(
     prune: int,
     claims: SQLiteClaims,
     names: dict[str, int] | None = None,
+    bodies: Bodies | None = None,
 ) -> None:
     """Apply ``ops`` with the clock read once for the whole transaction.
 
     ``names``: counter-name ids this connection already read (see _name_ids).
+    ``bodies``: the side file of big bodies (None: every body is in the row).
     """
     hits: list[Hit] = []
     reads: list[Claim | Lookup] = []
@@ -71,14 +73,14 @@ def apply_batch(
         # A key both read and written in one batch: keep arrival order exactly.
         for op in ops:
             if type(op) is Claim or type(op) is Lookup:
-                _apply_reads(conn, [op], now, claims)
+                _apply_reads(conn, [op], now, claims, bodies)
             elif type(op) is Save or type(op) is Release:
-                apply_writes(conn, [op], now, wall, claims)
+                apply_writes(conn, [op], now, wall, claims, bodies)
     else:
         if reads:
-            _apply_reads(conn, reads, now, claims)
+            _apply_reads(conn, reads, now, claims, bodies)
         if writes:
-            apply_writes(conn, writes, now, wall, claims)
+            apply_writes(conn, writes, now, wall, claims, bodies)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
@@ -98,6 +100,7 @@ def _apply_reads(
     reads: list[Claim | Lookup],
     now: float,
     claims: SQLiteClaims,
+    bodies: Bodies | None,
 ) -> None:
     keys: list[str] = []
     for op in reads:
@@ -105,7 +108,7 @@ def _apply_reads(
             op.held = True  # an OFD lock dies with its holder: no lease to wait out
             continue
         keys.append(op.key)
-    found = _select_responses(conn, keys, now) if keys else {}
+    found = _select_responses(conn, keys, now, bodies) if keys else {}
     claimed: list[Claim] = []
     for op in reads:
         if type(op) is Lookup:
@@ -136,20 +139,27 @@ def _next_tokens(conn: sqlite3.Connection, count: int, claims: SQLiteClaims) -> 
 
 
 def _select_responses(
-    conn: sqlite3.Connection, keys: list[str], now: float
+    conn: sqlite3.Connection, keys: list[str], now: float, bodies: Bodies | None
 ) -> dict[str, StoredResponse]:
     found: dict[str, StoredResponse] = {}
     expired: list[tuple[str]] = []
     for chunk in chunks(list(set(keys))):
         marks = ",".join("?" * len(chunk))
-        for key, digest, status, headers, body, expires in conn.execute(
-            "SELECT key, digest, status, headers, body, expires FROM responses"
+        for key, digest, status, headers, body, expires, blob in conn.execute(
+            "SELECT key, digest, status, headers, body, expires, blob FROM responses"
             f" WHERE key IN ({marks})",
             chunk,
         ):
             if now >= expires:
                 expired.append((key,))  # pruned when touched
                 continue
+            if blob is not None:
+                body = None if bodies is None else bodies.read(int(blob), key)
+                if body is None:
+                    # The side file lost it (a power loss under durability="process"):
+                    # no stored response, so the key is served again.
+                    expired.append((key,))
+                    continue
             found[key] = StoredResponse(
                 bytes(digest),
                 int(status),

@@ -1,4 +1,5 @@
-"""How a batch's saves are written: the stored form of a response and quotas."""
+"""How a batch's saves are written: the stored form of a response, quotas, and the
+bodies that live in the side file (see :mod:`.blobs`)."""
 
 from __future__ import annotations
 
@@ -6,26 +7,48 @@ import json
 import re
 import sqlite3
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
-from ..base import Quota, Release, Save, StoredResponse
+from ..base import Quota, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 
 __all__ = [
+    "BLOB_ABOVE",
+    "Bodies",
     "apply_writes",
     "chunks",
+    "has_blob",
     "headers_json",
     "stored_size",
 ]
 
+# Bodies above this live in the side file (blobs.py; the bound Complete.ALONE_ABOVE
+# sends alone).
+BLOB_ABOVE = 64 * 1024
+
+
+def has_blob(op: StoreOp) -> TypeGuard[Save]:
+    """Whether ``op`` saves a body that goes to the side file."""
+    return type(op) is Save and len(op.response.body) > BLOB_ABOVE
+
+
+class Bodies(Protocol):
+    """Where big bodies live (the side file, see blobs.py), as the decision writer sees it."""
+
+    # id(Save) -> the blob holding its body, written and committed before the batch came.
+    placed: dict[int, int]
+
+    def read(self, blob: int, key: str) -> bytes | None: ...
+
+
 _UPSERT_RESPONSE = (
     "INSERT INTO responses"
-    " (key, digest, status, headers, body, stored_at, expires, stored_wall, scope, size)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " (key, digest, status, headers, body, stored_at, expires, stored_wall, scope, size, blob)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
     " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
     " expires = excluded.expires, stored_wall = excluded.stored_wall,"
-    " scope = excluded.scope, size = excluded.size"
+    " scope = excluded.scope, size = excluded.size, blob = excluded.blob"
 )
 _PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
 # sqlite3 binds int, float, str and bytearray directly, but sends bytes through its
@@ -121,8 +144,10 @@ def apply_writes(
     now: float,
     wall: float,
     claims: SQLiteClaims,
+    bodies: Bodies | None,
 ) -> None:
     usage: _Usage | None = None
+    placed = {} if bodies is None else bodies.placed
     rows: list[tuple[Any, ...]] = []
     for op in writes:
         if type(op) is Release:
@@ -143,6 +168,9 @@ def apply_writes(
                 op.outcome = "quota"
                 continue
         body = response.body
+        blob = placed.get(id(op))
+        if blob is not None:
+            body = b""  # committed in the side file before this batch came
         rows.append(
             (
                 op.key,
@@ -155,6 +183,7 @@ def apply_writes(
                 wall,
                 op.scope,
                 size,
+                blob,
             )
         )
         op.outcome = "saved"

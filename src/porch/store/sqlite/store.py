@@ -1,4 +1,5 @@
-"""The embedded default store: one SQLite file in WAL mode, written by one thread.
+"""The embedded default store: one SQLite file in WAL mode, written by one thread
+(bodies above 64 KiB in a side file with a writer thread of its own, see blobs.py).
 
 Every operation goes to a dedicated writer thread (the event loop never blocks
 on SQLite). The thread takes whatever batches are queued — from any shard —
@@ -28,7 +29,9 @@ from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ...eventlog import EventLog
 from ..base import Claims, Durability, Hit, StoreOp, StoreStatistics
+from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
+from .saves import has_blob
 from .upkeep import Checkpoints
 from .writer import Done, Job, SQLiteWriter, done_all, settle
 
@@ -123,6 +126,16 @@ class SQLiteStore(SQLiteWriter):
         self._transactions = 0
         self._operations = 0
         self._failures = 0
+        # Bodies above 64 KiB: written by a thread of their own before their rows.
+        self._blobs = Blobs(
+            self.path,
+            durability=durability,
+            busy_timeout=busy_timeout,
+            clock=self.clock,
+            upkeep_after=self.upkeep_after,
+            forward=self._queue_job,
+        )
+        self._bodies = self._blobs
 
     @classmethod
     def temporary(cls, **options: Any) -> SQLiteStore:
@@ -162,8 +175,10 @@ class SQLiteStore(SQLiteWriter):
         self._thread.start()
         try:
             await ready
+            # After the data file (its directory made, its schema migrated).
+            await asyncio.to_thread(self._blobs.open)
         except BaseException:
-            self._thread = None
+            await self.close()
             raise
 
     async def close(self) -> None:
@@ -171,14 +186,19 @@ class SQLiteStore(SQLiteWriter):
         if thread is None:
             return
         self._thread = None
-        self._queue.put(None)
         try:
+            # Bodies first: the side file's writer hands what it wrote on to the writer.
+            await asyncio.to_thread(self._blobs.close)
+            self._queue.put(None)
             await asyncio.to_thread(thread.join)
         except RuntimeError:
             # At interpreter exit (an atexit handler closing the pool) the default executor
             # takes no more work: wait here, so the writer still closes its connection
             # (and SQLite removes the WAL) before the process ends.
+            self._blobs.close(_EXIT_JOIN)
+            self._queue.put(None)
             thread.join(timeout=_EXIT_JOIN)
+        self._blobs.close_reader()
         self._claims.close()  # drops every claim this process still holds
 
     def admin(self) -> SQLiteAdmin:
@@ -214,6 +234,9 @@ class SQLiteStore(SQLiteWriter):
         if self._thread is None or self._loop is None:
             raise StoreError("the SQLite store is not open")
         loop = asyncio.get_running_loop()
+        if any(has_blob(op) for op in ops):
+            self._blobs.send((ops, loop, done))  # its body first, then the batch comes here
+            return
         if (
             self.durability == "process"
             and len(ops) + self._inline_ops <= INLINE_OPS
@@ -227,6 +250,9 @@ class SQLiteStore(SQLiteWriter):
             self._inline_ops += len(ops)
             return
         self._queue.put((ops, loop, done))
+
+    def _queue_job(self, job: Job) -> None:
+        self._queue.put(job)
 
     def _flush_inline(self) -> None:
         """This loop iteration's hits: committed here if the writer is idle, else queued."""

@@ -28,6 +28,7 @@ from ...eventlog import EventLog
 from ..base import Durability, Release, Save, StoreOp
 from .claims import SQLiteClaims
 from .ops import apply_batch
+from .saves import Bodies, has_blob
 from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
 from .upkeep import (
     FREE_PAGES,
@@ -77,6 +78,7 @@ class SQLiteWriter:
     _transactions: int
     _operations: int
     _failures: int
+    _bodies: Bodies | None
 
     def _connect(self) -> sqlite3.Connection:
         # Client addresses and response bodies: owner-only, whatever the umask. The WAL
@@ -187,7 +189,8 @@ class SQLiteWriter:
         """Group commits until close(); upkeep when idle (see :mod:`.upkeep`)."""
         get = self._queue.get
         get_nowait = self._queue.get_nowait
-        fair: FairBatches[Job] = FairBatches(lambda job: job[0])
+        # Bodies in the side file came committed: their rows are small.
+        fair: FairBatches[Job] = FairBatches(lambda job: [op for op in job[0] if not has_blob(op)])
         stopping = False
         idle_work = True  # after a batch, the next idle moment runs an upkeep
         upkept = -1  # transactions committed by the last upkeep's time
@@ -299,7 +302,7 @@ class SQLiteWriter:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            apply_batch(conn, ops, now, wall, self.prune_batch, claims, self._names)
+            apply_batch(conn, ops, now, wall, self.prune_batch, claims, self._names, self._bodies)
             if self._transactions % _FREELIST_EVERY == 0:
                 # A busy store is never idle: give back a little at a time. Looked at
                 # on every few transactions only: it is one more statement each time.

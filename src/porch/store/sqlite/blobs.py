@@ -1,0 +1,357 @@
+"""Big response bodies in a side file with a writer thread of its own (issue 12).
+
+A save of a body above ``BLOB_ABOVE`` never occupies the decision writer: the
+body goes first to ``<stem>-blobs<suffix>`` beside the data file (owner-only,
+WAL, the same ``synchronous`` setting), written by this module's thread on its
+own connection, where its INSERT, its WAL growth and that file's checkpoints
+delay only other big saves. Once the body committed, the Save goes on to the
+decision writer, whose ``responses`` row holds everything but the body and
+names it by ``blob`` (a random 63-bit id; the blob row repeats the key, so a
+row never reads another key's body). Quotas count the row's ``size``, which
+includes the body wherever it lives.
+
+Body first, row second: a crash (``kill -9``) between the two leaves a body no
+row names — an orphan — and never a row naming a missing body. Orphans (and
+bodies whose row expired, was replaced or deleted) are found by the sweep:
+blobs older than ``ORPHAN_GRACE`` (wall time; longer than any save stays
+between its two commits) that no ``responses`` row names are deleted, and free
+pages given back (``auto_vacuum = INCREMENTAL``, as the data file). A save that
+ends without its row (fenced, over quota, failed) drops its body at once.
+
+A row whose body is gone all the same (``durability="process"`` promises
+nothing about a power loss, and the two files are synced apart) is read as no
+stored response and deleted: its key is served again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from ..._files import private_file, tighten
+from ...clock import Clock
+from ...errors import StoreError
+from ..base import Durability, Release, Save
+from .saves import BLOB_ABOVE, has_blob
+from .schema import statements
+from .upkeep import FREE_PAGES, WAL_LIMIT, give_back
+from .writer import Job
+
+__all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "Blobs", "blob_path", "has_blob"]
+
+logger = logging.getLogger("porch.store")
+
+# A blob no row names is deleted once it is this many wall seconds old.
+ORPHAN_GRACE = 60.0
+# Bodies written in one side-file transaction (at least one job's).
+_COMMIT_BYTES = 4 << 20
+_CHUNK = 256
+
+_SCHEMA = """
+    CREATE TABLE IF NOT EXISTS blobs (
+        id      INTEGER PRIMARY KEY,
+        key     TEXT NOT NULL,
+        written REAL NOT NULL,
+        body    BLOB NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS blobs_written ON blobs (written);
+"""
+
+
+def blob_path(path: Path) -> Path:
+    """The side file of the data file at ``path``: ``porch.sqlite3`` -> ``porch-blobs.sqlite3``."""
+    return path.with_name(f"{path.stem}-blobs{path.suffix}")
+
+
+class Blobs:
+    """The side file: its writer thread (bodies, drops, sweeps) and the decision writer's
+    reader of it. ``forward`` hands a job whose bodies committed to the decision writer."""
+
+    def __init__(
+        self,
+        data: Path,
+        *,
+        durability: Durability,
+        busy_timeout: float,
+        clock: Clock,
+        upkeep_after: float,
+        forward: Callable[[Job], None],
+    ) -> None:
+        self.data = data
+        self.path = blob_path(data)
+        self.durability: Durability = durability
+        self.busy_timeout = busy_timeout
+        self.clock = clock
+        self.upkeep_after = upkeep_after
+        self._forward = forward
+        # id(Save) -> its blob, from the body's commit until the job's reply.
+        self.placed: dict[int, int] = {}
+        self._queue: queue.SimpleQueue[Job | list[int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._reader: sqlite3.Connection | None = None  # the decision writer's
+        self._main: sqlite3.Connection | None = None  # the sweep's view of the data file
+
+    # -- lifecycle (blocking: called through asyncio.to_thread) ----------------------
+
+    def open(self) -> None:
+        """Create or open the side file and start its writer thread."""
+        self._queue = queue.SimpleQueue()  # (see SQLiteStore.open: no stale stop marker)
+        # Connections of a process this one was forked from are not this process's to use.
+        self._reader = self._main = None
+        conn = self._connect()
+        self._thread = threading.Thread(
+            target=self._run, args=(conn,), name=f"porch-blobs:{self.path.name}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self, join_timeout: float | None = None) -> None:
+        """Write what is queued, forward it, stop the thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(join_timeout)
+
+    def close_reader(self) -> None:
+        """After the decision writer stopped: close its connection to the side file."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        private_file(self.path)  # bodies are what the data file keeps: owner-only too
+        waited, delay = 0.0, 0.005
+        while True:
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            try:
+                self._prepare(conn)
+                for suffix in ("", "-wal", "-shm"):
+                    tighten(self.path.with_name(self.path.name + suffix))
+                return conn
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                # Worker processes opening a new file at once: switching it to WAL
+                # answers "locked" without waiting (start-up, in a worker thread).
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                if not busy or waited >= max(self.busy_timeout, 0.1):
+                    raise StoreError(f"cannot open {self.path}: {exc}") from exc
+                time.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 0.1)
+            except BaseException:
+                conn.close()
+                raise
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        tables = {
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            )
+        }
+        if tables - {"blobs"}:
+            raise StoreError(f"{self.path} is not porch's side file; refusing to change it")
+        (mode,) = conn.execute("PRAGMA auto_vacuum").fetchone()
+        if mode != 2 and not tables:
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # taken as the file is created
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
+        # The same promise as the data file: with "power" a body is synced before its row.
+        conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
+        for statement in statements(_SCHEMA):
+            conn.execute(statement)
+
+    # -- the event loop --------------------------------------------------------------
+
+    def send(self, job: Job) -> None:
+        """Write the job's big bodies, then forward it (its reply drops unused bodies)."""
+        if self._thread is None:
+            raise StoreError("the SQLite store is not open")
+        self._queue.put(job)
+
+    # -- the decision writer ---------------------------------------------------------
+
+    def read(self, blob: int, key: str) -> bytes | None:
+        """The body of ``key`` kept as ``blob``; None if the side file lost it."""
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        row = reader.execute("SELECT body FROM blobs WHERE id = ? AND key = ?", (blob, key))
+        found = row.fetchone()
+        return None if found is None else bytes(found[0])
+
+    # -- the side file's writer thread -----------------------------------------------
+
+    def _run(self, conn: sqlite3.Connection) -> None:
+        swept = time.monotonic()
+        stopping = False
+        try:
+            while not stopping or not self._queue.empty():
+                try:
+                    item = (
+                        self._queue.get_nowait()
+                        if stopping
+                        else self._queue.get(timeout=self.upkeep_after)
+                    )
+                except queue.Empty:
+                    self._sweep(conn)
+                    swept = time.monotonic()
+                    continue
+                jobs: list[Job] = []
+                drops: list[int] = []
+                size = 0
+                while True:
+                    if item is None:
+                        stopping = True
+                    elif isinstance(item, list):
+                        drops.extend(item)
+                    else:
+                        jobs.append(item)
+                        size += sum(len(op.response.body) for op in item[0] if has_blob(op))
+                    if size >= _COMMIT_BYTES:
+                        break
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if jobs or drops:
+                    self._write(conn, jobs, drops)
+                if time.monotonic() - swept >= self.upkeep_after:
+                    self._sweep(conn)
+                    swept = time.monotonic()
+        finally:
+            conn.close()
+            if self._main is not None:
+                self._main.close()
+                self._main = None
+
+    def _write(self, conn: sqlite3.Connection, jobs: list[Job], drops: list[int]) -> None:
+        """Bodies in one transaction, then each job on to the decision writer."""
+        written: list[tuple[Job, list[tuple[Save, int]]]] = []
+        error: BaseException | None = None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            wall = self.clock.wall()
+            for job in jobs:
+                refs: list[tuple[Save, int]] = []
+                for op in job[0]:
+                    if has_blob(op):
+                        blob = secrets.randbits(63) or 1
+                        conn.execute(
+                            "INSERT INTO blobs (id, key, written, body) VALUES (?, ?, ?, ?)",
+                            (blob, op.key, wall, op.response.body),
+                        )
+                        refs.append((op, blob))
+                written.append((job, refs))
+            _delete(conn, drops)
+            conn.execute("COMMIT")
+        except Exception as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            logger.error("porch: writing response bodies to %s failed: %s", self.path, exc)
+            error = StoreError(f"SQLite store {self.path}: {exc}")
+        if error is not None:
+            for ops, loop, done in jobs:
+                # Nothing stored; the claims the saves were ending end all the same.
+                instead = [Release(op.key, op.token) if has_blob(op) else op for op in ops]
+                self._forward((instead, loop, _failed(done, error)))
+            return
+        for (ops, loop, done), refs in written:
+            for op, blob in refs:
+                self.placed[id(op)] = blob
+            self._forward((ops, loop, self._replied(done, refs)))
+        if drops:
+            try:
+                self._give_back(conn)
+            except sqlite3.Error as exc:  # the pages stay free for the next bodies
+                logger.warning("porch: giving pages of %s back failed: %s", self.path, exc)
+
+    def _replied(
+        self, done: Callable[[BaseException | None], None], refs: Sequence[tuple[Save, int]]
+    ) -> Callable[[BaseException | None], None]:
+        placed = self.placed
+
+        def reply(error: BaseException | None) -> None:
+            unused = [blob for op, blob in refs if error is not None or op.outcome != "saved"]
+            for op, _ in refs:
+                placed.pop(id(op), None)
+            if unused and self._thread is not None:
+                self._queue.put(unused)  # fenced, over quota or failed: no row names them
+            done(error)
+
+        return reply
+
+    def _sweep(self, conn: sqlite3.Connection) -> None:
+        """Delete old blobs that no row names (orphans, expired or replaced responses)."""
+        try:
+            old = [
+                int(blob)
+                for (blob,) in conn.execute(
+                    "SELECT id FROM blobs WHERE written <= ?", (self.clock.wall() - ORPHAN_GRACE,)
+                )
+            ]
+            if old:
+                named = self._named()
+                gone = [blob for blob in old if blob not in named]
+                if gone:
+                    conn.execute("BEGIN IMMEDIATE")
+                    _delete(conn, gone)
+                    conn.execute("COMMIT")
+            self._give_back(conn, idle=True)
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            logger.warning("porch: sweeping %s failed: %s", self.path, exc)
+
+    def _named(self) -> set[int]:
+        main = self._main
+        if main is None:
+            main = self._main = sqlite3.connect(
+                self.data, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        # Read after the blobs' list: a row committed since names a blob of the grace.
+        return {int(b) for (b,) in main.execute(_NAMED)}
+
+    def _give_back(self, conn: sqlite3.Connection, idle: bool = False) -> None:
+        (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+        # Busy, free pages are kept for the next bodies up to FREE_PAGES; idle, all go.
+        pages = int(free) if idle else int(free) - FREE_PAGES
+        if pages <= 0:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            give_back(conn, pages)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+
+_NAMED = "SELECT blob FROM responses WHERE blob IS NOT NULL"
+
+
+def _delete(conn: sqlite3.Connection, blobs: Iterable[int]) -> None:
+    ids = list(blobs)
+    for i in range(0, len(ids), _CHUNK):
+        chunk = ids[i : i + _CHUNK]
+        conn.execute(f"DELETE FROM blobs WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+
+
+def _failed(
+    done: Callable[[BaseException | None], None], error: BaseException
+) -> Callable[[BaseException | None], None]:
+    def reply(_: BaseException | None) -> None:
+        done(error)
+
+    return reply
