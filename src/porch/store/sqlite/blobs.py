@@ -195,16 +195,18 @@ class Blobs:
     def _run(self, conn: sqlite3.Connection) -> None:
         swept = time.monotonic()
         stopping = False
+        kept = True  # the side file may hold blobs: sweep when idle
         try:
             while not stopping or not self._queue.empty():
                 try:
-                    item = (
-                        self._queue.get_nowait()
-                        if stopping
-                        else self._queue.get(timeout=self.upkeep_after)
-                    )
+                    if stopping:
+                        item = self._queue.get_nowait()
+                    elif kept:
+                        item = self._queue.get(timeout=self.upkeep_after)
+                    else:
+                        item = self._queue.get()  # nothing to sweep until a body comes
                 except queue.Empty:
-                    self._sweep(conn)
+                    kept = self._sweep(conn)
                     swept = time.monotonic()
                     continue
                 jobs: list[Job] = []
@@ -226,8 +228,9 @@ class Blobs:
                         break
                 if jobs or drops:
                     self._write(conn, jobs, drops)
+                    kept = True
                 if time.monotonic() - swept >= self.upkeep_after:
-                    self._sweep(conn)
+                    kept = self._sweep(conn)
                     swept = time.monotonic()
         finally:
             conn.close()
@@ -291,8 +294,9 @@ class Blobs:
 
         return reply
 
-    def _sweep(self, conn: sqlite3.Connection) -> None:
-        """Delete old blobs that no row names (orphans, expired or replaced responses)."""
+    def _sweep(self, conn: sqlite3.Connection) -> bool:
+        """Delete old blobs that no row names (orphans, expired or replaced responses);
+        whether any blob is left (an idle thread with none sleeps until the next body)."""
         try:
             old = [
                 int(blob)
@@ -308,10 +312,12 @@ class Blobs:
                     _delete(conn, gone)
                     conn.execute("COMMIT")
             self._give_back(conn, idle=True)
+            return conn.execute("SELECT 1 FROM blobs LIMIT 1").fetchone() is not None
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             logger.warning("porch: sweeping %s failed: %s", self.path, exc)
+            return True
 
     def _named(self) -> set[int]:
         main = self._main
