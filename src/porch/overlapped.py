@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .errors import StoreError
 
 if TYPE_CHECKING:
-    from .pool import Call, Shard
+    from .shard import Call, Shard
     from .store.base import StoreOp
 
 __all__ = ["run_overlapped"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from .errors import PoolClosedError, StoreError
-from .pool import Call, Shard
+from .shard import Call, Shard
 from .store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
 
 __all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]

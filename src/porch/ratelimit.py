@@ -28,10 +28,11 @@ from .errors import (
 )
 from .eventlog import EventLog
 from .identity import ClientIdentity, KeyFunc
-from .pool import Call, KeyPool, Shard
+from .pool import KeyPool
 from .refusals import RefusalMemory
 from .responses import problem
 from .rules import Rule, normalize_method
+from .shard import Call, Shard
 from .store.base import Hit, StoreOp
 
 __all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]

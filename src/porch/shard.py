@@ -1,0 +1,212 @@
+"""One actor of the key pool: its mailbox, its task, and the messages it takes.
+
+A shard drains its whole mailbox, lets each message add its store operations
+to the batch (``Call.prepare``), applies the batch in one store transaction
+(group commit) and replies to every caller only after that transaction is
+committed (``Call.finish``). Everything a shard does for a key runs on its one
+task, so its volatile per-key state (``Shard.parked``) needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import PoolClosedError, StoreError
+from .mailbox import Mailbox
+from .overlapped import run_overlapped
+
+if TYPE_CHECKING:
+    from .metrics import PorchMetrics
+    from .store.base import Store, StoreOp
+
+__all__ = ["Call", "Parked", "Shard"]
+
+logger = logging.getLogger("porch.pool")
+
+# A store's optional ``apply_then(ops, done)``: apply, then call ``done(error or None)``.
+_ApplyThen = Callable[[list["StoreOp"], Callable[[BaseException | None], None]], None]
+
+
+class Parked(Protocol):
+    """Volatile state a shard keeps for a key between calls (e.g. an owner and its waiters)."""
+
+    def close(self, exc: BaseException) -> None:
+        """Fail whoever is parked here: the pool is closing."""
+        ...
+
+
+class Call:
+    """A message to a shard: what it adds to the batch's transaction, and what it does after.
+
+    The caller awaits ``future``. ``prepare`` and ``finish`` run on the shard's
+    task, one message at a time, so they may touch shard state without locks.
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        self.future = future
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        """Add this call's store operations to the batch (or answer from memory)."""
+
+    def finish(self, shard: Shard) -> None:
+        """Reply to the caller; runs after the batch's transaction committed."""
+
+    def fail(self, shard: Shard | None, exc: BaseException) -> None:
+        """Reply with ``exc``; runs when the transaction failed or the pool closed."""
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class Shard:
+    """One actor of the pool: its mailbox, its task, and volatile per-key state."""
+
+    __slots__ = ("_task", "index", "mailbox", "metrics", "parked", "store")
+
+    def __init__(
+        self, index: int, capacity: int, store: Store, metrics: PorchMetrics | None = None
+    ) -> None:
+        self.index = index
+        self.mailbox: Mailbox[Call] = Mailbox(capacity, index=index)
+        self.store = store
+        self.metrics = metrics
+        # Volatile per-key state (idempotency owners and their parked waiters).
+        # It is lost with the process, which is the point: a crash never wedges a key.
+        self.parked: dict[str, Parked] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        depth = self.store.in_flight
+        run = self._run() if depth <= 1 else run_overlapped(self, depth)
+        self._task = asyncio.get_running_loop().create_task(run, name=f"porch-shard-{self.index}")
+
+    def abandon(self, exc: BaseException) -> None:
+        """Close this actor without awaiting its task: its event loop has stopped."""
+        for call in self.mailbox.close():
+            # A future of a closed loop cannot be settled; nobody awaits it any more.
+            with contextlib.suppress(RuntimeError):
+                call.fail(self, exc)
+        self._task = None
+        for state in list(self.parked.values()):
+            with contextlib.suppress(RuntimeError):
+                state.close(exc)
+        self.parked.clear()
+
+    def waiters(self) -> int:
+        """Calls parked behind a running owner in this shard (read for metrics only)."""
+        return sum(len(getattr(state, "waiters", ())) for state in self.parked.values())
+
+    async def _run(self) -> None:
+        receive = self.mailbox.receive_batch
+        apply = self.store.apply
+        # A store that calls back once a batch committed (SQLite's writer thread, or
+        # an inline commit) has the callers answered from that callback: one loop
+        # hop fewer per request than waking this task to answer them.
+        apply_then = _apply_then(self.store)
+        metrics = self.metrics
+        loop = asyncio.get_running_loop()
+        clock = loop.time
+        while True:
+            batch = await receive()
+            if not batch:
+                return
+            try:
+                ops: list[StoreOp] = []
+                for call in batch:
+                    call.prepare(self, ops)
+                if ops:
+                    if apply_then is not None:
+                        replies = _Replies(self, batch, len(ops), loop.create_future())
+                        apply_then(ops, replies)
+                        await replies.done  # the next batch waits: one transaction at a time
+                        continue
+                    if metrics is None:
+                        await apply(ops)
+                    else:
+                        started = clock()
+                        await apply(ops)
+                        metrics.committed(clock() - started, len(ops))
+            except Exception as exc:  # the actor must outlive any failure
+                self._fail(batch, exc)
+                continue
+            self._finish(batch)
+
+    def _finish(self, batch: list[Call]) -> None:
+        """Reply to every call of a committed batch."""
+        for call in batch:
+            try:
+                call.finish(self)
+            except Exception:  # a bug in one reply must not strand the others
+                logger.exception("porch shard %d: a reply failed", self.index)
+        metrics = self.metrics
+        if metrics is not None and metrics.multiprocess:
+            metrics.shard_state(self.index, len(self.mailbox), self.waiters())
+
+    def _fail(self, batch: list[Call], exc: BaseException) -> None:
+        """Fail every call of a batch whose transaction failed."""
+        error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
+        if error is not exc:
+            logger.error("porch shard %d: unexpected failure", self.index, exc_info=exc)
+        for call in batch:
+            try:
+                call.fail(self, error)
+            except Exception:
+                logger.exception("porch shard %d: a reply failed", self.index)
+
+    async def close(self) -> None:
+        closed = PoolClosedError("the key pool closed before this call was answered")
+        for call in self.mailbox.close():
+            call.fail(self, closed)
+        if self._task is not None:
+            await self._task
+            self._task = None
+        for state in list(self.parked.values()):
+            state.close(closed)
+        self.parked.clear()
+
+
+def _apply_then(store: Store) -> _ApplyThen | None:
+    """The store's ``apply_then``, if it has one that is its ``apply`` too: a subclass
+    overriding only ``apply`` (a test holding a batch back) is called through ``apply``."""
+    for cls in type(store).__mro__:
+        defined = vars(cls)
+        if "apply" in defined or "apply_then" in defined:
+            if "apply" in defined and "apply_then" in defined:
+                then: _ApplyThen = getattr(store, "apply_then")  # noqa: B009
+                return then
+            return None
+    return None
+
+
+class _Replies:
+    """Called by the store once a batch committed (or failed): answers its callers."""
+
+    __slots__ = ("batch", "done", "ops", "shard", "started")
+
+    def __init__(
+        self, shard: Shard, batch: list[Call], ops: int, done: asyncio.Future[None]
+    ) -> None:
+        self.shard = shard
+        self.batch = batch
+        self.ops = ops
+        self.done = done  # the shard's task waits on it before its next batch
+        self.started = done.get_loop().time() if shard.metrics is not None else 0.0
+
+    def __call__(self, error: BaseException | None) -> None:
+        # The shard's task is woken first, so in the next iteration it sends its next
+        # batch to the writer before the answered requests write their responses:
+        # the writer (with fsync, the bottleneck) is not left idle meanwhile.
+        if not self.done.done():  # its task may have been cancelled meanwhile
+            self.done.set_result(None)
+        shard = self.shard
+        if error is None:
+            if shard.metrics is not None:
+                shard.metrics.committed(self.done.get_loop().time() - self.started, self.ops)
+            shard._finish(self.batch)
+        else:
+            shard._fail(self.batch, error)
