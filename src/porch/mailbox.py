@@ -79,6 +79,10 @@ class Mailbox(Generic[T]):
             if not waiter.done():
                 waiter.set_result(None)
 
+    def bypassed(self) -> None:
+        """Count a call its shard answered without queueing it (KeyPool.apply_now)."""
+        self._sent += 1
+
     async def receive_batch(self) -> list[T]:
         """Wait for at least one item and take every queued item; ``[]`` once closed and empty."""
         while not self._items:

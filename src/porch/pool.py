@@ -20,17 +20,18 @@ import asyncio
 import logging
 import os
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError, PoolClosedError, StoreError
 from .mailbox import MailboxStatistics
 from .namespaces import Namespaces
-from .shard import Call, Shard
+from .shard import Call, Pace, Shard, own_method
 
 if TYPE_CHECKING:
     from .metrics import PorchMetrics
-    from .store.base import Store, StoreStatistics
+    from .store.base import Store, StoreOp, StoreStatistics
 
 __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
 
@@ -69,6 +70,8 @@ class KeyPool:
         "_failed",
         "_lock",
         "_loop",
+        "_now",
+        "_pace",
         "_pid",
         "_shards",
         "_size",
@@ -98,7 +101,14 @@ class KeyPool:
         if metrics is not None:
             metrics.watch(self)
         self._size = size
-        self._shards = tuple(Shard(i, mailbox, store, metrics) for i in range(size))
+        # A store that can commit a small batch on the event loop, cheaply and at once
+        # (SQLite with durability="process"): see apply_now. Never beside overlapped
+        # batches, which a shard's busy flag does not cover.
+        now: Callable[[Sequence[StoreOp]], bool] | None = own_method(store, "apply_now")
+        on_loop = store.in_flight <= 1 and getattr(store, "commits_on_loop", False)
+        self._now = now if on_loop else None
+        self._pace = Pace()
+        self._shards = tuple(Shard(i, mailbox, store, metrics, self._pace) for i in range(size))
         self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the actors run on
         self._pid = 0  # the process they run in
@@ -154,8 +164,11 @@ class KeyPool:
                 # Started again after close(): fresh actors (and statistics).
                 capacity = self._shards[0].mailbox.statistics().capacity
                 self._shards = tuple(
-                    Shard(i, capacity, self.store, self.metrics) for i in range(self._size)
+                    Shard(i, capacity, self.store, self.metrics, self._pace)
+                    for i in range(self._size)
                 )
+            # (A stopped loop may have left "spent" set: its rearm never ran.)
+            self._pace.spent = self._pace.contended = False
             for shard in self._shards:
                 shard.start()
             self._loop = loop
@@ -211,6 +224,46 @@ class KeyPool:
             raise PoolClosedError("the key pool runs on another event loop; await start() first")
         shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
         shard.mailbox.send_nowait(call, force=must_deliver)
+
+    def apply_now(self, key: str, op: StoreOp) -> bool:
+        """Commit ``op`` on the calling task, now, if nothing else is in flight: True once
+        it committed (its answer is in ``op``); False if nothing was applied (submit it).
+
+        With no other caller about, a request's wait for its decision is mostly hops:
+        the mailbox waking the shard's task, the store's flush, the reply waking the
+        request. Here the store commits on the event loop instead (only a store that
+        does that cheaply: SQLite with ``durability="process"``, a ``write()`` into
+        the page cache, never an fsync; only hits; never while its writer is busy).
+        The shard is idle, its mailbox empty and the call runs to its COMMIT without
+        yielding, so nothing else of the shard can be in flight meanwhile: the same
+        one-batch-at-a-time the shard's task keeps. At most one call per loop
+        iteration: a second one in the same iteration means concurrent callers, which
+        group commits serve better, so they take the mailboxes until a shard takes a
+        batch of one again.
+        """
+        now = self._now
+        pace = self._pace
+        if now is None or pace.contended or not self._started:
+            return False
+        if pace.spent:
+            pace.contended = True
+            return False
+        loop = self._loop
+        if loop is not asyncio.get_running_loop():
+            return False
+        shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
+        if shard.busy or len(shard.mailbox):
+            return False
+        metrics = self.metrics
+        started = loop.time() if metrics is not None else 0.0
+        if not now((op,)):
+            return False
+        pace.spent = True
+        loop.call_soon(pace.rearm)
+        shard.mailbox.bypassed()
+        if metrics is not None:
+            metrics.committed(loop.time() - started, 1)
+        return True
 
     def shard_load(self) -> list[tuple[int, int]]:
         """Per shard: operations queued in its mailbox, and calls parked behind an owner."""

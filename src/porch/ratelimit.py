@@ -222,22 +222,24 @@ class RateLimitMiddleware:
             # path, so it asks the store itself instead of through _ask_store's coroutine.
             pool = self.pool
             hit = Hit(keys, compiled.amounts, compiled.windows)
-            try:
-                future = asyncio.get_running_loop().create_future()
+            # Nothing else in flight: committed right here, no hop at all (apply_now).
+            if not pool.apply_now(client, hit):
                 try:
-                    pool.submit(client, _HitCall(future, hit))
-                except PoolClosedError:
-                    if pool.started:
-                        raise
-                    await pool.start()  # the first request on this loop starts the actors
-                    pool.submit(client, _HitCall(future, hit))
-                await future
-            except SaturatedError as exc:
-                self._unavailable("saturated", exc, client, compiled, exc.shard)
-                hit = exc
-            except (StoreError, PoolClosedError) as exc:
-                self._unavailable("store", exc, client, compiled, None)
-                hit = exc
+                    future = asyncio.get_running_loop().create_future()
+                    try:
+                        pool.submit(client, _HitCall(future, hit))
+                    except PoolClosedError:
+                        if pool.started:
+                            raise
+                        await pool.start()  # the first request on this loop starts the actors
+                        pool.submit(client, _HitCall(future, hit))
+                    await future
+                except SaturatedError as exc:
+                    self._unavailable("saturated", exc, client, compiled, exc.shard)
+                    hit = exc
+                except (StoreError, PoolClosedError) as exc:
+                    self._unavailable("store", exc, client, compiled, None)
+                    hit = exc
             if memory is not None and isinstance(hit, Hit) and not hit.allowed:
                 memory.remember(keys[0], hit.counts, hit.resets)
         else:
@@ -283,6 +285,8 @@ class RateLimitMiddleware:
         """The store's decision, or the error that kept it from deciding (logged)."""
         pool = self.pool
         hit = Hit(keys, compiled.amounts, compiled.windows)
+        if pool.apply_now(client, hit):
+            return hit
         try:
             if not pool.started:
                 await pool.start()

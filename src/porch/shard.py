@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .metrics import PorchMetrics
     from .store.base import Store, StoreOp
 
-__all__ = ["Call", "Parked", "Shard"]
+__all__ = ["Call", "Pace", "Parked", "Shard", "own_method"]
 
 logger = logging.getLogger("porch.pool")
 
@@ -63,15 +63,42 @@ class Call:
             self.future.set_exception(exc)
 
 
+class Pace:
+    """Whether a call may skip the mailbox and commit on its caller's task (KeyPool.apply_now).
+
+    ``spent``: one did in this loop iteration already; ``contended``: a second came in
+    the same iteration (concurrent callers), so calls go through the mailboxes until
+    a shard takes a batch of one again.
+    """
+
+    __slots__ = ("contended", "spent")
+
+    def __init__(self) -> None:
+        self.contended = False
+        self.spent = False
+
+    def rearm(self) -> None:
+        """Called soon after a call committed at once: the next loop iteration may again."""
+        self.spent = False
+
+
 class Shard:
     """One actor of the pool: its mailbox, its task, and volatile per-key state."""
 
-    __slots__ = ("_task", "index", "mailbox", "metrics", "parked", "store")
+    __slots__ = ("_task", "busy", "index", "mailbox", "metrics", "pace", "parked", "store")
 
     def __init__(
-        self, index: int, capacity: int, store: Store, metrics: PorchMetrics | None = None
+        self,
+        index: int,
+        capacity: int,
+        store: Store,
+        metrics: PorchMetrics | None = None,
+        pace: Pace | None = None,
     ) -> None:
         self.index = index
+        # Its task holds a batch (from taking it until its callers are answered).
+        self.busy = False
+        self.pace = pace
         self.mailbox: Mailbox[Call] = Mailbox(capacity, index=index)
         self.store = store
         self.metrics = metrics
@@ -81,6 +108,7 @@ class Shard:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self.busy = False
         depth = self.store.in_flight
         run = self._run() if depth <= 1 else run_overlapped(self, depth)
         self._task = asyncio.get_running_loop().create_task(run, name=f"porch-shard-{self.index}")
@@ -107,14 +135,19 @@ class Shard:
         # A store that calls back once a batch committed (SQLite's writer thread, or
         # an inline commit) has the callers answered from that callback: one loop
         # hop fewer per request than waking this task to answer them.
-        apply_then = _apply_then(self.store)
+        apply_then: _ApplyThen | None = own_method(self.store, "apply_then")
         metrics = self.metrics
         loop = asyncio.get_running_loop()
         clock = loop.time
+        pace = self.pace
         while True:
+            self.busy = False
             batch = await receive()
             if not batch:
                 return
+            self.busy = True
+            if pace is not None and len(batch) == 1:
+                pace.contended = False  # callers come one at a time again
             try:
                 ops: list[StoreOp] = []
                 for call in batch:
@@ -170,15 +203,15 @@ class Shard:
         self.parked.clear()
 
 
-def _apply_then(store: Store) -> _ApplyThen | None:
-    """The store's ``apply_then``, if it has one that is its ``apply`` too: a subclass
-    overriding only ``apply`` (a test holding a batch back) is called through ``apply``."""
+def own_method(store: Store, name: str) -> Any:
+    """The store's optional method ``name`` (``apply_then``, ``apply_now``), if the class
+    that defines its ``apply`` defines it too: a subclass overriding only ``apply`` (a
+    test holding a batch back) is called through ``apply``."""
     for cls in type(store).__mro__:
         defined = vars(cls)
-        if "apply" in defined or "apply_then" in defined:
-            if "apply" in defined and "apply_then" in defined:
-                then: _ApplyThen = getattr(store, "apply_then")  # noqa: B009
-                return then
+        if "apply" in defined or name in defined:
+            if "apply" in defined and name in defined:
+                return getattr(store, name)
             return None
     return None
 

@@ -254,6 +254,32 @@ class SQLiteStore(SQLiteWriter):
     def _queue_job(self, job: Job) -> None:
         self._queue.put(job)
 
+    @property
+    def commits_on_loop(self) -> bool:
+        """Whether small batches may commit on the event loop (never with fsync): a pool
+        asks ``apply_now`` only then."""
+        return self.durability == "process"
+
+    def apply_now(self, ops: Sequence[StoreOp]) -> bool:
+        """Commit ``ops`` on the calling thread now, if that is cheap: True once committed;
+        False if nothing was applied (the caller sends them through ``apply_then``).
+
+        The same inline commit as a small batch's (see ``apply_then``), without its wait
+        for the end of the loop iteration: only hits, only ``durability="process"``,
+        never while the writer has work or holds the connection, never while this
+        loop's hits wait for their flush (they go first), never waiting for another
+        process's write lock. A failed commit is rolled back: nothing was applied.
+        """
+        if (
+            not self.commits_on_loop
+            or self._thread is None
+            or self._inline
+            or not self._queue.empty()
+            or not all(type(op) is Hit for op in ops)
+        ):
+            return False
+        return self._commit_inline(list(ops))
+
     def _flush_inline(self) -> None:
         """This loop iteration's hits: committed here if the writer is idle, else queued."""
         jobs, self._inline, self._inline_ops = self._inline, [], 0
