@@ -295,3 +295,34 @@ def test_a_wal_catch_up_holds_big_saves_until_the_checkpoint_thread_copied_them(
         checkpoints.stop()
         writer.close()
     assert failures == []
+
+
+def wal_frames(path: Path) -> int:
+    """Frames in the WAL now: ``mxFrame`` of the wal-index header in ``<file>-shm``
+    (https://www.sqlite.org/walformat.html), read without touching the database."""
+    with open(path.with_name(path.name + "-shm"), "rb") as shm:
+        return int.from_bytes(shm.read(20)[16:20], "little")
+
+
+async def test_the_wal_restarts_while_every_commit_runs_on_the_loop(tmp_path: Path) -> None:
+    # Catches: a WAL that only the writer's idle upkeep (every upkeep_after seconds, a
+    # minute here) catches up while decisions commit on the event loop one at a time,
+    # growing without bound meanwhile, with the checkpoint thread copying back to back.
+    store = SQLiteStore(tmp_path, upkeep_after=60.0)
+    await store.open()
+    restarts, peak, last = 0, 0, 0
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while restarts < 2:
+            assert loop.time() < deadline, f"{restarts} WAL restarts, peak {peak} frames"
+            hits: list[StoreOp] = [Hit(["rl\x1fr\x1f9-per-60s\x1f10.0.0.1"], [10**9], [60])]
+            if not store.apply_now(hits):
+                await store.apply(hits)  # the writer's turn (a catch-up under way)
+            await asyncio.sleep(0)
+            frames = wal_frames(store.path)
+            restarts += frames < last
+            peak, last = max(peak, frames), frames
+        assert peak < 8 * (WAL_LIMIT // 4096)
+    finally:
+        await store.close()

@@ -112,6 +112,8 @@ def upkeep(conn: sqlite3.Connection, now: Callable[[], float]) -> bool:
 # WAL checkpoints off the commit path (see Checkpoints): at most one background
 # checkpoint per this many seconds while commits come.
 CHECKPOINT_PACE = 0.1
+# ... unless the WAL is past half its limit and grew by this share of it since the last round.
+FAST_GROWTH = 1 / 8
 # While big saves are held for a checkpoint, an idle writer looks this often for its end.
 HOLD_POLL = 0.002
 
@@ -127,8 +129,9 @@ class Checkpoints:
     never checkpoints by itself (``wal_autocheckpoint = 0``); a thread of its own,
     on its own connection, runs PASSIVE checkpoints (the copy and both fsyncs) while
     the writer goes on committing (sqlite3 releases the GIL meanwhile): at most
-    every ``CHECKPOINT_PACE`` seconds while the WAL is short, back to back once it
-    is past half its limit. The WAL restarts from its start only when
+    every ``CHECKPOINT_PACE`` seconds while the WAL is short or grows slowly, back
+    to back once it is past half its limit and a round's worth of commits added
+    more than ``FAST_GROWTH`` of it. The WAL restarts from its start only when
     a write transaction begins after every frame was copied, which a busy writer
     never leaves the background time to reach; so once a background checkpoint
     saw more than ``WAL_LIMIT`` in the WAL, the writer copies the few frames added
@@ -143,6 +146,11 @@ class Checkpoints:
     commit) while one more background round copies what the big saves wrote;
     then the writer copies only the decisions' few frames since, and lets the big
     saves go. A decision never waits for a big save's pages to be checkpointed.
+
+    Commits on the event loop (one decision each, at low load) never catch up,
+    and then the writer may have no transaction to do it in: the thread calls
+    ``wake`` when it asks for a catch-up, and the writer runs one (empty)
+    transaction to reach it.
     """
 
     __slots__ = (
@@ -150,10 +158,12 @@ class Checkpoints:
         "_connect",
         "_drained",
         "_failed",
+        "_hurry",
         "_limit",
         "_nudge",
         "_stopping",
         "_thread",
+        "_wake",
         "holding",
     )
 
@@ -161,11 +171,15 @@ class Checkpoints:
         self,
         connect: Callable[[], sqlite3.Connection],
         failed: Callable[[sqlite3.Error], None],
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self._connect = connect
+        self._wake = wake  # from the thread: the writer should run a transaction soon
         self._failed = failed  # called from either thread; must be thread-safe
         self._nudge = threading.Event()
         self._stopping = threading.Event()
+        # Ends the thread's pace early: big saves are held, or the thread is stopping.
+        self._hurry = threading.Event()
         self._catch_up = False
         # Big saves held for a background round (set and cleared by the writer); that
         # round done (set by the checkpoint thread).
@@ -197,6 +211,7 @@ class Checkpoints:
             if not self.holding:
                 self.holding, self._drained = True, False
                 self._nudge.set()
+                self._hurry.set()  # the WAL grows past its limit until that round ran
                 return
             if not self._drained:
                 return
@@ -216,9 +231,11 @@ class Checkpoints:
         self._thread = None
         self._stopping.set()
         self._nudge.set()
+        self._hurry.set()
         thread.join()
 
     def _run(self, conn: sqlite3.Connection) -> None:
+        last = 0  # frames in the WAL at the last round
         try:
             while not self._stopping.is_set():
                 self._nudge.wait()
@@ -231,14 +248,21 @@ class Checkpoints:
                 except sqlite3.Error as exc:
                     self._failed(exc)
                     frames = self._limit
+                grown, last = (frames - last if frames >= last else frames), frames
                 if held:
                     self._drained = True
-                elif frames >= self._limit:
+                elif frames >= self._limit and not self._catch_up:
                     self._catch_up = True
-                if frames < self._limit // 2:
-                    # A short WAL can wait; a long one is copied back to back (its
-                    # length is bounded by what the writer adds during one copy).
-                    self._stopping.wait(CHECKPOINT_PACE)
+                    if self._wake is not None:
+                        self._wake()
+                if frames < self._limit // 2 or grown < self._limit * FAST_GROWTH:
+                    # A short WAL can wait, and so can one a few frames a round longer
+                    # (one decision per commit at low load: copying back to back, two
+                    # fsyncs a round, cost ~30 us of CPU per request at one connection);
+                    # a long and fast-growing one is copied back to back (its length is
+                    # bounded by what the writer adds during one copy).
+                    self._hurry.wait(CHECKPOINT_PACE)
+                    self._hurry.clear()
         finally:
             self._drained = True  # never leave big saves held for a thread that is gone
             conn.close()

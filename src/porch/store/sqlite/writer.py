@@ -151,7 +151,7 @@ class SQLiteWriter:
             failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
             call_soon(loop, settle, ready, failed)
             return
-        checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed)
+        checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed, self._wake)
         checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
         self._checkpoints = checkpoints
         self._names = {}
@@ -165,6 +165,13 @@ class SQLiteWriter:
                 self._checkpoints = None
             checkpoints.stop()  # first: the last connection to close checkpoints the WAL
             conn.close()
+
+    def _wake(self) -> None:
+        """From the checkpoint thread: a catch-up is due, and only a writer's transaction
+        runs it; with commits on the loop the writer may have none (an empty one does)."""
+        loop = self._loop
+        if loop is not None:
+            self._queue.put(((), loop, _ignore))
 
     def _checkpointer(self) -> sqlite3.Connection:
         return sqlite3.connect(
@@ -349,6 +356,10 @@ def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _ignore(error: BaseException | None) -> None:
+    """The reply to the writer's wake-up transaction: nobody waits for it."""
 
 
 def done_all(dones: list[Done], error: BaseException | None) -> None:
