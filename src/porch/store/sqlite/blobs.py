@@ -40,7 +40,7 @@ from ...errors import StoreError
 from ..base import Durability, Release, Save
 from .saves import BLOB_ABOVE, has_blob
 from .schema import statements
-from .upkeep import FREE_PAGES, WAL_LIMIT, give_back
+from .upkeep import FREE_PAGES, give_back
 from .writer import Job
 
 __all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "Blobs", "blob_path", "has_blob"]
@@ -51,6 +51,8 @@ logger = logging.getLogger("porch.store")
 ORPHAN_GRACE = 60.0
 # Bodies written in one side-file transaction (at least one job's).
 _COMMIT_BYTES = 4 << 20
+# The side file's WAL, kept short (the data file's WAL_LIMIT is for many small rows).
+_WAL_LIMIT = 1 << 20
 _CHUNK = 256
 
 _SCHEMA = """
@@ -163,7 +165,10 @@ class Blobs:
         if mode != 2 and not tables:
             conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # taken as the file is created
         conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
+        # Every page of a body passes through the WAL once: a short WAL, checkpointed and
+        # cut back often, keeps the bodies' bytes on disk near their quota, not 4 MiB above.
+        conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
+        conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_LIMIT // 4096}")
         # The same promise as the data file: with "power" a body is synced before its row.
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durability == 'power' else 'NORMAL'}")
         for statement in statements(_SCHEMA):
@@ -312,6 +317,7 @@ class Blobs:
                     _delete(conn, gone)
                     conn.execute("COMMIT")
             self._give_back(conn, idle=True)
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # idle: the WAL goes to 0 bytes
             return conn.execute("SELECT 1 FROM blobs LIMIT 1").fetchone() is not None
         except sqlite3.Error as exc:
             if conn.in_transaction:
