@@ -30,18 +30,33 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
     alike: dict[int, list[Hit]] = {}
     first: dict[tuple[Any, ...], int] = {}
     owner: dict[str, tuple[Any, ...]] = {}
+    last: Hit | None = None  # the previous hit, and the group it joined
+    last_group: list[Hit] = []
     for op in ops:
         if isinstance(op, Hit):
+            # A hot client's batch is a run of alike hits, each with its own keys list
+            # but its rule's amounts and windows (the same objects): compared with the
+            # previous hit without building its shape.
+            if (
+                last is not None
+                and (op.amounts is last.amounts or op.amounts == last.amounts)
+                and (op.windows is last.windows or op.windows == last.windows)
+                and op.keys == last.keys
+            ):
+                last_group.append(op)
+                continue
             shape = (tuple(op.keys), tuple(op.amounts), tuple(op.windows))
             at = first.get(shape)
             if at is not None:
-                alike[at].append(op)
+                last, last_group = op, alike[at]
+                last_group.append(op)
                 continue
             for key in op.keys:
                 if owner.setdefault(key, shape) != shape:
                     return list(ops), {}  # a counter shared by unlike hits: one entry each
             first[shape] = len(sent)
-            alike[len(sent)] = [op]
+            last, last_group = op, [op]
+            alike[len(sent)] = last_group
         sent.append(op)
     return sent, alike
 
@@ -54,6 +69,14 @@ def settle_alike(
     ``before``: each counter's count before them; the j-th hit sees each count
     plus min(j, allowed).
     """
+    if len(before) == 1:  # one limit (the common rule): no comprehension per hit
+        count = before[0]
+        for j, hit in enumerate(hits, 1):
+            hit.allowed = j <= allowed
+            hit.counts = [count + (j if j < allowed else allowed)]
+            hit.resets = list(resets)
+            hit.wall = wall
+        return
     for j, hit in enumerate(hits, 1):
         step = j if j < allowed else allowed
         hit.allowed = j <= allowed
