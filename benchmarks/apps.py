@@ -89,10 +89,11 @@ def create() -> Starlette:
         if variant.endswith("-postgres"):
             from porch.store.postgres import PostgresStore
 
+            depth = os.environ.get("BENCH_PG_IN_FLIGHT")  # for A/B of the depth
             return PostgresStore(
                 os.environ["BENCH_POSTGRES"],
                 schema=os.environ.get("BENCH_SCHEMA", "porch"),
-                in_flight=int(os.environ.get("BENCH_PG_IN_FLIGHT", "2")),  # for A/B of the depth
+                **({"in_flight": int(depth)} if depth else {}),
             )
         if variant.endswith("-redis"):
             from porch.store.redis import RedisStore

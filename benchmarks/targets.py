@@ -115,9 +115,11 @@ BOUNDS = """## What bounds the targets not met
 - **PostgreSQL and Redis rows.** A batch is one call of the store's function
   (one transaction with `synchronous_commit` on: a commit that wrote waits for
   a WAL flush) or one pipeline. The benchmark's single client is one counter
-  key (or one idempotency key) on one shard. That shard keeps two batches out
-  at once (`Store.in_flight`: it sends the next while the last is on the wire,
-  replying in order), and the requests of one client in a batch go to the
+  key (or one idempotency key) on one shard. That shard keeps several batches
+  out at once (`Store.in_flight`: two on Redis, four on PostgreSQL, where a hot
+  counter's batches queue on its row lock, held through each commit's WAL
+  flush; it sends the next while the last are on the wire, replying in order),
+  and the requests of one client in a batch go to the
   server as one step with a count (the first k that fit are allowed), so the
   server's work per batch no longer grows with the batch. What is left is
   the app's own CPU (CPU 0: the HTTP work plus the driver's encoding and

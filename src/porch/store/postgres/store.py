@@ -76,6 +76,11 @@ class PostgresStore:
     batch fails with StoreError when the server does not answer.
     ``in_flight``: batches one pool shard keeps out at once (its round trip,
     not the server's work, is what a shard waits on; see ``Store.in_flight``).
+    Four: a hot counter's batches queue on its row lock, each held through its
+    commit's WAL flush; with four out one is always queued behind the lock
+    while the loop answers another's callers, in smaller, steadier bursts
+    (measured, limiter-postgres interleaved with two: 0.51 -> 0.71x bare, loop
+    CPU 57.6 -> 48.5 us and gen-0 GC passes 12.4 -> 1.8 per 1000 requests).
     """
 
     def __init__(
@@ -88,7 +93,7 @@ class PostgresStore:
         connect_timeout: float = 3.0,
         statement_timeout: float = 4.0,
         prune_batch: int = 64,
-        in_flight: int = 2,
+        in_flight: int = 4,
         application_name: str = "porch",
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
