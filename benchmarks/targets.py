@@ -144,10 +144,17 @@ measured split between the event loop and the SQLite writer thread.
 - **A durable decision costs a round trip.** Each limited request is parked
   until its group commit is done: a future, a message to its shard, a task
   switch back, and its share of one transaction (about one per 30 requests at
-  64 connections). That is Python work on the same core as the app. At 1 and 4
-  connections there is almost nothing to group and each request waits for its
-  own commit: the concurrency curve shows it. The added p99 follows from the
-  same queueing: a request waits for the commit in progress, then its own.
+  64 connections). That is Python work on the same core as the app. At 1
+  connection a lone hit skips all of that: when its shard is idle and the store
+  is SQLite with `durability="process"` (a commit is a `write()`, never an
+  fsync), the request's own task runs its transaction to the COMMIT and reads
+  its verdict after (`KeyPool.apply_now`); what is left there is the
+  transaction's own ~25 µs on the loop (the hit's Python, the two bounded prune
+  statements) plus the headers. Only one hit per loop iteration may take that
+  path, so at 4 connections most still go through the mailbox with almost
+  nothing to group, and each waits for its own commit: the concurrency curve
+  shows it. The added p99 follows from the same queueing: a request waits for
+  the commit in progress, then its own.
 - **Distinct keys.** With one hot key a group commit rewrites one b-tree page;
   with thousands of distinct clients it rewrites one page per client in the
   group, and SQLite writes each page to the WAL as its own frame. Within a
@@ -155,8 +162,14 @@ measured split between the event loop and the SQLite writer thread.
   but new clients are inserts. Counter rows are compact (the rule and limit
   stored once, rows keyed by name and client, `WITHOUT ROWID`) and checkpoints
   run on a thread of their own, off the commit path; what is left is one
-  dirtied page per new client in each commit, about 10-13 µs of writer CPU on
-  the same core as the app. That is the drop in the keys curve.
+  dirtied page per new client in each commit (one WAL frame, then one
+  checkpoint copy), about 10-20 µs of writer and checkpoint CPU on the same core
+  as the app. That is the drop in the keys curve. Measured and not kept: a
+  16 MiB WAL with checkpoint rounds at most every 0.25 s (keys-1000000
+  0.73 -> 0.79× of one client in one interleaved run) lets the files grow past
+  the 16 MiB a client may cost on disk (the quota gate failed about half the
+  time); 1 KiB pages (within noise); a fixed-size digest as the client key
+  (an IPv4 client's text is already 8-15 bytes).
 - **Workers on one core.** uvicorn's workers share one listening socket, and
   the kernel does not spread connections evenly over them: the split recorded
   above changes from round to round and is rarely even. A worker with a
@@ -171,7 +184,17 @@ measured split between the event loop and the SQLite writer thread.
   the lock file, the capture of the response, and a new row (a b-tree insert
   and an index insert) per request. Each of those was profiled and trimmed
   (see the commit log: taking the key lock without releasing the GIL alone cut
-  first executions' CPU by about a fifth); what is left is the work itself.
+  first executions' CPU by about a fifth); what is left is the work itself,
+  spread thin: profiled under uvicorn, about 30 µs more than a bare POST on the
+  loop (the middleware's Python ~16 µs in pieces of 1-4 µs, the rest the two
+  round trips' futures) and about 15 µs of writer time (the response upsert
+  with its byte-total triggers 5.6, BEGIN/COMMIT 3.3, the claim's read 1.5).
+  No single lever is near the 20 µs the 0.60× target needs. Measured and not
+  kept: taking the claim on the loop (0.53 -> 0.49× in one interleaved run: the
+  loop is the busy core); committing each drain at once instead of grouping
+  (0.43 -> 0.37× at 4 connections); a mypyc build of the hot modules (the
+  in-process loop 23.3 -> 21.4 µs per decision, no change measurable under
+  uvicorn, so no compiled build ships).
 - **Waiting keeps a request alive.** The bare app finishes each request
   within one step of the loop, so its objects die young and CPython's cyclic
   garbage collector almost never runs (the GC column below). A request that
