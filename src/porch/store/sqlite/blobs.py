@@ -30,18 +30,17 @@ import queue
 import secrets
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..._files import private_file, tighten
+from ..._files import private_file
 from ...clock import Clock
 from ...errors import StoreError
 from ..base import Durability, Release, Save
 from .saves import BLOB_ABOVE, has_blob
 from .schema import statements
 from .upkeep import FREE_PAGES, give_back
-from .writer import Job
+from .writer import Job, open_private
 
 __all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "Blobs", "blob_path", "has_blob"]
 
@@ -127,29 +126,10 @@ class Blobs:
 
     def _connect(self) -> sqlite3.Connection:
         private_file(self.path)  # bodies are what the data file keeps: owner-only too
-        waited, delay = 0.0, 0.005
-        while True:
-            conn = sqlite3.connect(
-                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-            )
-            try:
-                self._prepare(conn)
-                for suffix in ("", "-wal", "-shm"):
-                    tighten(self.path.with_name(self.path.name + suffix))
-                return conn
-            except sqlite3.OperationalError as exc:
-                conn.close()
-                # Worker processes opening a new file at once: switching it to WAL
-                # answers "locked" without waiting (start-up, in a worker thread).
-                busy = "locked" in str(exc) or "busy" in str(exc)
-                if not busy or waited >= max(self.busy_timeout, 0.1):
-                    raise StoreError(f"cannot open {self.path}: {exc}") from exc
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, 0.1)
-            except BaseException:
-                conn.close()
-                raise
+        try:
+            return open_private(self.path, self.busy_timeout, self._prepare)
+        except sqlite3.OperationalError as exc:
+            raise StoreError(f"cannot open {self.path}: {exc}") from exc
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
@@ -198,7 +178,7 @@ class Blobs:
     # -- the side file's writer thread -----------------------------------------------
 
     def _run(self, conn: sqlite3.Connection) -> None:
-        swept = time.monotonic()
+        swept = self.clock.monotonic()
         stopping = False
         kept = True  # the side file may hold blobs: sweep when idle
         try:
@@ -212,7 +192,7 @@ class Blobs:
                         item = self._queue.get()  # nothing to sweep until a body comes
                 except queue.Empty:
                     kept = self._sweep(conn)
-                    swept = time.monotonic()
+                    swept = self.clock.monotonic()
                     continue
                 jobs: list[Job] = []
                 drops: list[int] = []
@@ -234,9 +214,9 @@ class Blobs:
                 if jobs or drops:
                     self._write(conn, jobs, drops)
                     kept = True
-                if time.monotonic() - swept >= self.upkeep_after:
+                if self.clock.monotonic() - swept >= self.upkeep_after:
                     kept = self._sweep(conn)
-                    swept = time.monotonic()
+                    swept = self.clock.monotonic()
         finally:
             conn.close()
             if self._main is not None:

@@ -41,7 +41,16 @@ from .upkeep import (
     upkeep,
 )
 
-__all__ = ["CACHE_KIB", "Done", "Job", "SQLiteWriter", "call_soon", "done_all", "settle"]
+__all__ = [
+    "CACHE_KIB",
+    "Done",
+    "Job",
+    "SQLiteWriter",
+    "call_soon",
+    "done_all",
+    "open_private",
+    "settle",
+]
 
 logger = logging.getLogger("porch.store")
 
@@ -85,31 +94,7 @@ class SQLiteWriter:
         # and shared-memory files SQLite creates take the database file's mode.
         private_directory(self.path.parent)
         private_file(self.path)
-        # Several worker processes start at once on one file: switching a new file
-        # to WAL answers "locked" without waiting, so the opening is retried (with
-        # a short sleep: this is start-up, in the writer thread) for busy_timeout.
-        waited, delay = 0.0, 0.005
-        while True:
-            conn = sqlite3.connect(
-                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-            )
-            try:
-                self._prepare(conn)
-                # Known to be porch's file now: an earlier version created it 0644.
-                for suffix in ("", "-wal", "-shm"):
-                    tighten(self.path.with_name(self.path.name + suffix))
-                return conn
-            except sqlite3.OperationalError as exc:
-                conn.close()
-                busy = "locked" in str(exc) or "busy" in str(exc)
-                if not busy or waited >= max(self.busy_timeout, 0.1):
-                    raise
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, 0.1)
-            except BaseException:
-                conn.close()
-                raise
+        return open_private(self.path, self.busy_timeout, self._prepare)
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
@@ -368,3 +353,37 @@ def done_all(dones: list[Done], error: BaseException | None) -> None:
             done(error)
         except Exception:  # one caller's failing reply must not strand the others
             logger.exception("porch: a reply to a committed batch failed")
+
+
+def open_private(
+    path: Path, busy_timeout: float, prepare: Callable[[sqlite3.Connection], None]
+) -> sqlite3.Connection:
+    """A connection to ``path`` (created 0600 beforehand), ``prepare``d, its WAL and
+    shared-memory files owner-only. Raises sqlite3.Error.
+
+    Several worker processes start at once on one file: switching a new file to WAL
+    answers "locked" without waiting, so the opening is retried (with a short sleep:
+    this is start-up, in a worker thread) for ``busy_timeout``.
+    """
+    waited, delay = 0.0, 0.005
+    while True:
+        conn = sqlite3.connect(
+            path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        try:
+            prepare(conn)
+            # Known to be porch's file now: an earlier version created it 0644.
+            for suffix in ("", "-wal", "-shm"):
+                tighten(path.with_name(path.name + suffix))
+            return conn
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            if not busy or waited >= max(busy_timeout, 0.1):
+                raise
+            time.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 0.1)
+        except BaseException:
+            conn.close()
+            raise
