@@ -38,6 +38,11 @@ _PRUNE_RESPONSES = (
     "DELETE FROM responses WHERE key IN"
     " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
 )
+# Whether each table has an expired row: min() of an indexed column is one index probe
+# (NULL, so not true, for an empty table).
+_ANY_EXPIRED = (
+    "SELECT (SELECT min(expires) FROM responses) <= ?1, (SELECT min(expires) FROM counts) <= ?1"
+)
 # The claim epoch (the row was named when it held a plain counter; schema 3 created it).
 _SELECT_EPOCH = "SELECT value FROM porch_meta WHERE name = 'claim_token'"
 _UPDATE_EPOCH = "UPDATE porch_meta SET value = ? WHERE name = 'claim_token'"
@@ -59,6 +64,20 @@ def apply_batch(
     ``names``: counter-name ids this connection already read (see _name_ids).
     ``bodies``: the side file of big bodies (None: every body is in the row).
     """
+    if len(ops) == 1:
+        op = ops[0]
+        if type(op) is Hit and len(op.keys) == 1:
+            # The uncontended request's batch (see KeyPool.apply_now): the same rows and
+            # verdict as _apply_hits, without its per-batch sets, dicts and SQL text.
+            created = _apply_lone_hit(conn, op, now, wall, {} if names is None else names)
+            # The same prunes, each run only when the index shows it has a row to
+            # delete: one two-probe statement instead of two DELETEs that find nothing.
+            responses, counts = conn.execute(_ANY_EXPIRED, (now,)).fetchone()
+            if responses:
+                conn.execute(_PRUNE_RESPONSES, (now, prune))
+            if counts:
+                conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
+            return
     hits: list[Hit] = []
     reads: list[Claim | Lookup] = []
     writes: list[Save | Release] = []
@@ -212,6 +231,39 @@ def _name_ids(
     return ids
 
 
+_SELECT_COUNTER = "SELECT count, expires FROM counts WHERE name = ? AND client = ?"
+_UPDATE_COUNT = "UPDATE counts SET count = ? WHERE name = ? AND client = ?"
+
+
+def _apply_lone_hit(
+    conn: sqlite3.Connection, hit: Hit, now: float, wall: float, known: dict[str, int]
+) -> int:
+    """A batch of one hit on one limit: _apply_hits's rows and verdict, with one row read
+    and at most one statement written; 1 if it created the row, else 0."""
+    key = hit.keys[0]
+    prefix, client = split_key(key)
+    name = known.get(prefix)
+    if name is None:
+        name = _name_ids(conn, [prefix], known)[prefix]
+    row = conn.execute(_SELECT_COUNTER, (name, client)).fetchone()
+    if row is None or now >= row[1]:
+        # A fresh window, or an elapsed one overwritten in place (as in _apply_hits).
+        allowed = hit.amounts[0] > 0
+        count, expires = int(allowed), now + hit.windows[0]
+        conn.execute(_UPSERT_COUNTER, (name, client, count, now, expires, wall))
+    else:
+        count, expires = row
+        allowed = count < hit.amounts[0]
+        if allowed:
+            count += 1
+            conn.execute(_UPDATE_COUNT, (count, name, client))
+    hit.allowed = allowed
+    hit.counts = [count]
+    hit.resets = [expires - now]
+    hit.wall = wall
+    return 1 if row is None else 0
+
+
 def _apply_hits(
     conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float, known: dict[str, int]
 ) -> int:
@@ -273,5 +325,5 @@ def _apply_hits(
     if counts:
         # Within a window only the count changes: leaving the indexed expiry
         # column alone keeps the index pages out of the commit.
-        conn.executemany("UPDATE counts SET count = ? WHERE name = ? AND client = ?", counts)
+        conn.executemany(_UPDATE_COUNT, counts)
     return created
