@@ -148,9 +148,10 @@ measured split between the event loop and the SQLite writer thread.
   connection a lone hit skips all of that: when its shard is idle and the store
   is SQLite with `durability="process"` (a commit is a `write()`, never an
   fsync), the request's own task runs its transaction to the COMMIT and reads
-  its verdict after (`KeyPool.apply_now`); what is left there is the
-  transaction's own ~25 µs on the loop (the hit's Python, the two bounded prune
-  statements) plus the headers. Only one hit per loop iteration may take that
+  its verdict after (`KeyPool.apply_now`), on a lean path for one hit on one
+  limit (one row read, at most one statement written, the prunes only when an
+  index probe finds an expired row); what is left there is that transaction's
+  ~18 µs on the loop plus the middleware, the headers and uvicorn. Only one hit per loop iteration may take that
   path, so at 4 connections most still go through the mailbox with almost
   nothing to group, and each waits for its own commit: the concurrency curve
   shows it. The added p99 follows from the same queueing: a request waits for
