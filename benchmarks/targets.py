@@ -151,8 +151,9 @@ measured split between the event loop and the SQLite writer thread.
   its verdict after (`KeyPool.apply_now`), on a lean path for one hit on one
   limit (one row read, at most one statement written, the prunes only when an
   index probe finds an expired row); what is left there is that transaction's
-  ~18 µs on the loop plus the middleware, the headers and uvicorn. Only one hit per loop iteration may take that
-  path, so at 4 connections most still go through the mailbox with almost
+  ~18 µs on the loop plus the middleware, the headers and uvicorn. Only one
+  hit per loop iteration may take that path, so at 4 connections most still go
+  through the mailbox with almost
   nothing to group, and each waits for its own commit: the concurrency curve
   shows it. The added p99 follows from the same queueing: a request waits for
   the commit in progress, then its own.
