@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 
 from .errors import PoolClosedError, StoreError
 from .shard import Call, Shard
-from .store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
+from .store.base import BIG_BODY, Claim, Quota, Release, Save, StoredResponse, StoreOp
 
 __all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]
 
@@ -280,7 +280,7 @@ class _Relook(Call):
 
 
 # A save of a body above this many bytes is applied on its own (see Complete).
-ALONE_ABOVE = 64 * 1024
+ALONE_ABOVE = BIG_BODY
 # Those saves while they are out: the loop keeps only weak references to tasks.
 _alone: set[asyncio.Task[None]] = set()
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 __all__ = [
+    "BIG_BODY",
     "Claim",
     "Claims",
     "Durability",
@@ -34,6 +35,10 @@ __all__ = [
     "StoreStatistics",
     "StoredResponse",
 ]
+
+# A response body above this many bytes is big: its save leaves the pool's batch and
+# runs on its own (ownership.Complete), and the SQLite store keeps it in its side file.
+BIG_BODY = 64 * 1024
 
 Durability = Literal["process", "power"]
 """``"process"``: a commit survives the process being killed (``kill -9``), not a power loss.

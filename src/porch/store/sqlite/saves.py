@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeGuard
 
-from ..base import Quota, Release, Save, StoredResponse, StoreOp
+from ..base import BIG_BODY, Quota, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 
 __all__ = [
@@ -22,9 +22,8 @@ __all__ = [
     "stored_size",
 ]
 
-# Bodies above this live in the side file (blobs.py; the bound Complete.ALONE_ABOVE
-# sends alone).
-BLOB_ABOVE = 64 * 1024
+# Bodies above this live in the side file (blobs.py): the big bodies, saved alone.
+BLOB_ABOVE = BIG_BODY
 
 
 def has_blob(op: StoreOp) -> TypeGuard[Save]:
