@@ -83,6 +83,7 @@ def create() -> Starlette:
     hops = int(os.environ.get("BENCH_TRUST_HOPS", "0"))
     redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
     io = float(os.environ.get("BENCH_IO_MS", "0")) / 1000
+    freeze = os.environ.get("BENCH_GC_FREEZE") == "1"
     pools: list[KeyPool] = []
 
     def store() -> Store:
@@ -160,6 +161,10 @@ def create() -> Starlette:
         app.add_middleware(IdempotencyHeaderMiddleware, backend=MemoryBackend())
     elif variant not in ("bare", "bare-headers"):
         raise SystemExit(f"unknown BENCH_VARIANT {variant!r}; one of {VARIANTS}")
+    if freeze:
+        # What docs/deployment.md recommends: everything built at start-up leaves the
+        # collector's generations, so a full collection no longer walks it.
+        gc.freeze()
     return app
 
 

@@ -25,6 +25,8 @@ POST_SAME_KEY = POST + 'wrk.headers["Idempotency-Key"] = "the-one-key"\n'
 # The handler's stand-in for a database query (benchmarks/apps.py): milliseconds awaited.
 IO_MS = 2
 IO = {"BENCH_IO_MS": str(IO_MS)}
+# The app calls gc.freeze() once built (docs/deployment.md, "Tail latency").
+FROZEN = {"BENCH_GC_FREEZE": "1"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ CASES = (
         "bare app sending the limiter's five headers itself (their cost alone)",
     ),
     Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
+    Case(
+        "limiter-frozen",
+        "limiter",
+        GET,
+        "bare",
+        "porch limiter, the app calls gc.freeze() at start-up",
+        env=FROZEN,
+    ),
     Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),
     Case(
@@ -93,6 +103,15 @@ CASES = (
         "bare-post",
         "porch idempotency, a new key per request",
         "/orders",
+    ),
+    Case(
+        "idem-first-frozen",
+        "idempotency",
+        POST_NEW_KEY,
+        "bare-post",
+        "porch idempotency, a new key per request, the app calls gc.freeze() at start-up",
+        "/orders",
+        env=FROZEN,
     ),
     Case(
         "idem-replay",
