@@ -146,7 +146,8 @@ class Blobs:
             conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # taken as the file is created
         conn.execute("PRAGMA journal_mode = WAL")
         # Every page of a body passes through the WAL once: a short WAL, checkpointed and
-        # cut back often, keeps the bodies' bytes on disk near their quota, not 4 MiB above.
+        # cut back often, keeps the bodies' bytes on disk near their quota, not the data
+        # file's WAL_LIMIT (16 MiB) above.
         conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
         conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_LIMIT // 4096}")
         # The same promise as the data file: with "power" a body is synced before its row.
