@@ -8,7 +8,8 @@ proxy hops (for runs that set a different forwarded client per request), and
 ``BENCH_POSTGRES`` and ``BENCH_SCHEMA`` the PostgreSQL URL and schema of the
 PostgreSQL-backed rows, and ``BENCH_IO_MS`` how long each handler awaits
 ``asyncio.sleep`` before it answers: a stand-in for a database query, so the
-``-io`` rows show the ratio a user with a real app sees.
+``-io`` rows show the ratio a user with a real app sees. ``BENCH_GC_FREEZE=1``: the
+app calls ``gc.freeze()`` once built (the ``-frozen`` rows).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +36,13 @@ from porch import (
     Rule,
     SQLiteStore,
 )
-from porch.store.base import Store
+from porch.store.base import Hit, Store, StoreOp
 
 VARIANTS = (
     "bare",
     "bare-headers",
     "limiter",
+    "limiter-nostore",
     "limiter-power",
     "limiter-postgres",
     "limiter-redis",
@@ -138,7 +141,15 @@ def create() -> Starlette:
         return _slowapi(routes, hello, "memory://" if variant == "slowapi-memory" else redis_url)
 
     app = Starlette(routes=routes)
-    if variant in ("limiter", "limiter-power", "limiter-postgres", "limiter-redis"):
+    if variant == "limiter-nostore":
+        app.add_middleware(
+            RateLimitMiddleware,
+            pool=_AnsweringPool(SQLiteStore(data)),
+            rules=Rule(Limit(HUGE, window)),
+            key=ClientIdentity(trust_hops=hops),
+            exempt=("/__stats",),
+        )
+    elif variant in ("limiter", "limiter-power", "limiter-postgres", "limiter-redis"):
         pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(
@@ -185,3 +196,21 @@ def _slowapi(routes: list[Route], hello: Any, storage: str) -> Starlette:
     app.add_middleware(SlowAPIASGIMiddleware)
     limiter.exempt(routes[2].endpoint)
     return app
+
+
+class _AnsweringPool(KeyPool):
+    """The limiter-nostore row's pool: every hit allowed at once, as if committed, with no
+    store, no hop and no thread (its store is never opened). What is left of the limiter's
+    cost is its middleware's own: an upper bound for any store (docs/benchmarks.md)."""
+
+    async def start(self) -> None:
+        return None
+
+    def apply_now(self, key: str, op: StoreOp) -> bool:
+        if not isinstance(op, Hit):
+            return False
+        op.allowed = True
+        op.counts = [1]
+        op.resets = [float(op.windows[0])]
+        op.wall = time.time()
+        return True

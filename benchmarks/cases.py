@@ -52,6 +52,13 @@ CASES = (
         "bare",
         "bare app sending the limiter's five headers itself (their cost alone)",
     ),
+    Case(
+        "limiter-nostore",
+        "limiter-nostore",
+        GET,
+        "bare",
+        "porch limiter's middleware over a pool that allows at once: no store, no hop",
+    ),
     Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
     Case(
         "limiter-frozen",
