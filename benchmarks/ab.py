@@ -13,7 +13,8 @@ baseline of the same round. Cases on PostgreSQL or Redis (``limiter-postgres``,
 
 The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
 directory and put first on the servers' ``PYTHONPATH``; this checkout's runs
-use its own (or ``--head``'s, exported alike). Every point (connections,
+use its own ``src`` (or ``--head``'s, exported alike), whatever porch the venv
+has installed. Every point (connections,
 variant, tree) is measured in each round, interleaved, each ratio taken against
 the bare app of the same round and connection count. Per request it also
 reports CPU microseconds of the event loop's thread and of the others (the
@@ -141,15 +142,19 @@ def main() -> int:
     ):
         tmp = Path(tmpdir)
         base_src = export(args.base, tmp / "base")
-        head_src = export(args.head, tmp / "head") if args.head else None
+        # This checkout's own src, first on the path: never whatever porch the venv has
+        # installed (a venv made in another worktree would measure that one instead).
+        head_src = export(args.head, tmp / "head") if args.head else ROOT / "src"
         trees: list[tuple[str, Path | None]] = [("base", base_src), ("this", head_src)]
         for round_ in range(args.rounds):
+            # Which tree goes first alternates, so neither always has the warmer machine.
+            order = trees if round_ % 2 == 0 else trees[::-1]
             for c in conns:
                 baselines: dict[str, float] = {}
                 for variant in variants:
                     this = case(variant)
                     baseline = this.baseline == this.name
-                    for tree, src in trees[1:] if baseline else trees:
+                    for tree, src in [t for t in order if t[0] == "this"] if baseline else order:
                         r = measure(this, src, c, args.duration, tmp, servers)
                         if baseline:
                             baselines[this.name] = r["rps"]
