@@ -17,7 +17,13 @@ from porch.clock import ManualClock
 from porch.store.base import Hit, Lookup, Save, StoredResponse, StoreOp
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.schema import migrate
-from porch.store.sqlite.upkeep import FREE_PAGES, WAL_LIMIT, Checkpoints, FairBatches
+from porch.store.sqlite.upkeep import (
+    CHECKPOINT_PACE,
+    FREE_PAGES,
+    WAL_LIMIT,
+    Checkpoints,
+    FairBatches,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -214,19 +220,30 @@ async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
 
 
 async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Catches: checkpoints turned off on the writer with nothing else copying the WAL back
-    # (it would hold every page written, ~120 MiB here), or a WAL that never restarts;
-    # counts lost by checkpoints running beside the writer.
+    # (it would hold every frame written: ~22 MiB here, 11x its limit), or a WAL that
+    # never restarts; counts lost by checkpoints running beside the writer. The limit is
+    # cut to 2 MiB so that about a second of writes passes it many times over (the
+    # checkpoint thread and the writer's journal_size_limit read it at open), and the
+    # pace by as much: the WAL stays near its limit only while the writer adds less than
+    # that per pace (16 MiB per 0.25 s with the real values; this writer adds ~20 MiB/s).
+    limit = 2 * MIB
+    monkeypatch.setattr("porch.store.sqlite.upkeep.WAL_LIMIT", limit)
+    monkeypatch.setattr("porch.store.sqlite.writer.WAL_LIMIT", limit)
+    pace = CHECKPOINT_PACE * limit / WAL_LIMIT
+    monkeypatch.setattr("porch.store.sqlite.upkeep.CHECKPOINT_PACE", pace)
     store = SQLiteStore(tmp_path)
     await store.open()
     wal = store.path.with_name(store.path.name + "-wal")
     peak = 0
+    written = last = 0  # frames: a lower bound of those the WAL took in (not those
+    # added between a client's last look and a restart)
 
     async def client(n: int) -> None:  # eight at once: the writer always has a batch
-        nonlocal peak
-        for batch in range(n, 300, 8):
+        nonlocal peak, written, last
+        for batch in range(n, 1000, 8):
             await store.apply(
                 [
                     Hit([f"rl\x1fr\x1f9-per-60s\x1f10.{batch % 256}.{batch // 256}.{i}"], [9], [60])
@@ -234,17 +251,23 @@ async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
                 ]
             )
             peak = max(peak, wal.stat().st_size)
+            frames = wal_frames(store.path)
+            written += frames - last if frames >= last else frames  # restarted meanwhile
+            last = frames
 
     try:
-        await asyncio.gather(*(client(n) for n in range(8)))  # 30,000 new clients
+        await asyncio.gather(*(client(n) for n in range(8)))  # 100,000 new clients
         hits = [Hit(["rl\x1fr\x1f9-per-60s\x1f10.5.0.7"], [9], [60])]
         await store.apply(hits)
         assert hits[0].counts == [2]
     finally:
         await store.close()
-    assert peak < 8 * WAL_LIMIT, f"WAL grew to {peak / 2**20:.1f} MiB"
+    assert written * 4096 > 5 * limit, f"only {written * 4096 / MIB:.1f} MiB written"
+    assert peak < 3 * limit, (
+        f"WAL grew to {peak / MIB:.1f} MiB ({written * 4096 / MIB:.1f} written)"
+    )
     with sqlite3.connect(store.path) as conn:
-        assert conn.execute("SELECT count(*) FROM counts").fetchone()[0] == 30_000
+        assert conn.execute("SELECT count(*) FROM counts").fetchone()[0] == 100_000
 
 
 def test_fair_batches_hold_big_saves_while_asked_and_small_ones_still_go() -> None:
