@@ -204,3 +204,28 @@ async def test_template_rule_counts_per_route(pool: KeyPool, tmp_path: Path) -> 
         assert (await c.post("/users/1")).status_code == 200  # not selected, not counted
     assert statuses == [200, 200, 429]
     assert counters(tmp_path) == {"rl\x1fPOST:/users/{id}/follow\x1f2-per-60s\x1f10.2.2.2": 2}
+
+
+async def test_a_first_rule_over_the_whole_app_selects_every_request_not_exempt(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    # Such a rule skips method normalization and matching per request (a shortcut): it must
+    # still select exactly what matching does, before any later rule, exempt paths exact or
+    # by prefix as configured.
+    rules = [Rule("100/minute"), Rule("100/minute", path="/api", name="api")]
+    app = RateLimitMiddleware(ok, pool=pool, rules=rules, exempt=("/health", "/static/"))
+    async with client(app) as c:
+        selected = [
+            await c.get("/"),
+            await c.head("/api/x"),
+            await c.post("/api"),
+            await c.request("PURGE", "/a/b"),
+            await c.get("/health/x"),
+            await c.get("/static"),
+        ]
+        exempt = [await c.get("/health"), await c.post("/static/app.js")]
+    assert [r.headers["ratelimit"] for r in selected] == [
+        f'"100-per-60s";r={99 - i};t=60' for i in range(6)
+    ]
+    assert all("ratelimit" not in r.headers for r in exempt)
+    assert counters(tmp_path) == {"rl\x1fdefault\x1f100-per-60s\x1f10.2.2.2": 6}

@@ -16,6 +16,8 @@ from .store.base import Hit
 
 __all__ = ["CompiledRule", "PolicyState", "Refusal", "decide", "remembered_hit"]
 
+_ceil = math.ceil  # a global, not an attribute load per call on the hot path
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyState:
@@ -91,29 +93,29 @@ def decide(
     compiled: CompiledRule, hit: Hit, client: str
 ) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
     """The response headers for a decision, and the refusal if the hit was refused."""
-    amounts = compiled.amounts
-    counts = hit.counts
-    resets = hit.resets
-    windows = compiled.windows
-    n = len(amounts)
     # ceil: never tell a client a window ends earlier than it does. A store's
     # ``end - now`` can come out a rounding error above the window (a fresh
     # window read as 60.000000000001 s), and ceil would then add a whole second:
     # no window has more than its length left.
-    if n == 1 and hit.allowed:  # the common case: one limit, no choosing, no refusal
-        left = amounts[0] - counts[0]
-        reset = resets[0] if resets[0] < windows[0] else windows[0]
+    if hit.allowed and len(compiled.amounts) == 1:
+        # The common case: one limit, no choosing, no refusal. Once per request, so
+        # it reads each input once and formats each number once.
+        reset = hit.resets[0]
+        window = compiled.windows[0]
+        reset = reset if reset < window else window
+        left = compiled.amounts[0] - hit.counts[0]
         return [
             compiled.limit_header,
             (b"x-ratelimit-remaining", b"%d" % left),
-            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + reset)),
+            (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + reset)),
             compiled.policy_pair,
-            (
-                b"ratelimit",
-                compiled.status_prefixes[0] + b"%d;t=%d" % (left, math.ceil(reset) or 1),
-            ),
+            (b"ratelimit", compiled.status_prefixes[0] + b"%d;t=%d" % (left, _ceil(reset) or 1)),
         ], None
-    resets = [min(r, w) for r, w in zip(resets, windows, strict=True)]
+    amounts = compiled.amounts
+    counts = hit.counts
+    windows = compiled.windows
+    n = len(amounts)
+    resets = [min(r, w) for r, w in zip(hit.resets, windows, strict=True)]
     if n == 1:
         i = 0
         remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]

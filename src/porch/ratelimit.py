@@ -134,6 +134,15 @@ class RateLimitMiddleware:
         self.pool = pool
         self.enabled = enabled
         self._rules = tuple(_CompiledRule(r) for r in rules)
+        # The common configuration: a first rule over the whole app and every method. It
+        # selects every HTTP request that is not exempt, so such a request is neither
+        # normalized nor matched (see _select: matches() is True for any method and path).
+        first = rules[0]
+        self._everything = (
+            self._rules[0]
+            if first.methods is None and first.pattern is None and first.path == "/"
+            else None
+        )
         self._websocket = any(r.websocket for r in rules)
         self._key: KeyFunc = key if key is not None else ClientIdentity()
         exempt = tuple(exempt)
@@ -165,9 +174,8 @@ class RateLimitMiddleware:
         )
 
     def _select(self, scope: Scope) -> _CompiledRule | None:
+        """The first rule selecting a request (its path not exempt: __call__ checked), or None."""
         path: str = scope["path"]
-        if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
-            return None
         if scope["type"] == "websocket":
             # A handshake is a GET, selected only by rules that opted in.
             for compiled in self._rules:
@@ -188,10 +196,17 @@ class RateLimitMiddleware:
         if kind != "http" and not (kind == "websocket" and self._websocket):
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        compiled = self._select(scope)
-        if compiled is None:
+        # Exempt paths first, inline: once per request, so no method call.
+        path: str = scope["path"]
+        if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
             await self.app(scope, receive, send)
             return
+        compiled = self._everything if kind == "http" else None
+        if compiled is None:
+            compiled = self._select(scope)
+            if compiled is None:
+                await self.app(scope, receive, send)
+                return
         if kind == "websocket":
             # Refused before accept: porch's HTTP answers become a denial response.
             send = websocket_denial(scope, send)
@@ -217,7 +232,7 @@ class RateLimitMiddleware:
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
         memory = self._memory
         hit: Hit | PorchError | None = None
-        if not memory:
+        if memory is None or not memory.entries:
             # Nothing remembered (or no memory): straight to the store. This is the common
             # path, so it asks the store itself instead of through _ask_store's coroutine.
             pool = self.pool

@@ -39,17 +39,19 @@ class Remembered:
 class RefusalMemory:
     """A bounded map of remembered refusals, oldest evicted first (expired ones before any)."""
 
-    __slots__ = ("_clock", "_entries", "_max", "seconds")
+    __slots__ = ("_clock", "_max", "entries", "seconds")
 
     def __init__(self, clock: Clock, *, seconds: float, entries: int) -> None:
         self._clock = clock
         self.seconds = float(seconds)
         self._max = entries
         # Insertion order is close to expiry order: every entry lives at most `seconds`.
-        self._entries: dict[str, Remembered] = {}
+        # Public for the limiter's hot path: `if not memory.entries` is a C-level check,
+        # where `len(memory)` would call __len__ in Python once per request. Read it only.
+        self.entries: dict[str, Remembered] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def now(self) -> float:
         return self._clock.monotonic()
@@ -57,7 +59,7 @@ class RefusalMemory:
     def recall(self, key: str) -> Remembered | asyncio.Future[None] | None:
         """A live refusal to answer from; a future to wait on (another request is asking the
         store); or None: ask the store, then :meth:`settle`."""
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         if entry is None:
             return None
         if self._clock.monotonic() < entry.until:
@@ -78,7 +80,7 @@ class RefusalMemory:
         entry = Remembered(
             counts, [now + r for r in resets], now + min(self.seconds, min(resets, default=0.0))
         )
-        entries = self._entries
+        entries = self.entries
         old = entries.pop(key, None)
         if old is not None:
             old.release()
@@ -88,14 +90,14 @@ class RefusalMemory:
 
     def settle(self, key: str) -> None:
         """The store answered, not with a refusal (or failed): forget an expired memory."""
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         # A live entry is a newer refusal another request remembered: keep it.
         if entry is not None and self._clock.monotonic() >= entry.until:
-            del self._entries[key]
+            del self.entries[key]
             entry.release()
 
     def _evict(self, now: float) -> None:
-        entries = self._entries
+        entries = self.entries
         while entries:
             key, entry = next(iter(entries.items()))
             if entry.until > now and len(entries) < self._max:
