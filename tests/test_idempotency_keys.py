@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from porch.idempotency_keys import InvalidKey, authorization_scope, parse_key, request_digest
+from porch.capture import _BAD_VALUE, TOKEN, _invalid_header
+from porch.idempotency_keys import (
+    InvalidKey,
+    authorization_scope,
+    parse_key,
+    request_digest,
+    scope_digest,
+)
 
 
 @pytest.mark.parametrize(
@@ -107,4 +114,72 @@ def test_digest_is_the_same_as_earlier_versions_stored(
 ) -> None:
     assert request_digest(method, path, query, body, headers) == _digest_piece_by_piece(
         method, path, query, body, headers
+    )
+
+
+def test_printable_check_accepts_exactly_0x20_to_0x7e() -> None:
+    # parse_key checks isascii() then str.isprintable(), not a [\x20-\x7e] regex: the two
+    # must agree on every byte, alone and inside an otherwise valid key.
+    for byte in range(256):
+        raw = bytes([byte])
+        printable = 0x20 <= byte <= 0x7E
+        for key in (b"k" + raw + b"k", b"k" + raw * 3 + b"k"):
+            if printable and raw not in (b",", b'"', b" "):
+                assert parse_key([key]) == key.decode("ascii")
+            elif not printable:
+                with pytest.raises(InvalidKey, match="printable ASCII"):
+                    parse_key([key])
+
+
+def test_invalid_header_is_the_first_bad_header_as_checked_one_by_one() -> None:
+    # _invalid_header checks the whole head with one regex first; it must name the same
+    # header (or none) as checking each name and value on its own.
+    def one_by_one(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        for name, value in headers:
+            if TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
+                return name
+        return None
+
+    names = [b"content-type", b"x-a", b"", b"a:b", b"a b", b"a,b", b"a\nb", b"\xff", b"~!#"]
+    values = [b"", b"text/plain", b"a:b", b"a\tb", b"a\nb", b"a\rb", b"\x00", b"\x7f", b"\xe9"]
+    pairs = [(n, v) for n in names for v in values]
+    heads: list[list[tuple[bytes, bytes]]] = [[]]
+    heads += [[p] for p in pairs]
+    heads += [[(b"content-type", b"x"), p] for p in pairs]
+    heads += [[p, (b"x-b", b"y\nz:w")] for p in pairs]
+    heads += [[(b"a", b"1"), (b"b\n", b""), (b"c", b"2")], [(b"a", b"1:\nb:2")]]
+    for head in heads:
+        assert _invalid_header(head) == one_by_one(head), head
+
+
+@pytest.mark.parametrize(
+    "names", [(b"content-type",), (b"content-type", b"x-account"), (b"x-account",)]
+)
+@pytest.mark.parametrize(
+    "sent",
+    [
+        [(b"content-type", b"application/json")],
+        [],
+        [(b"content-type", b"a"), (b"content-type", b"b")],
+        [(b"x-account", b"7"), (b"content-type", b""), (b"host", b"h")],
+        [(b"content-type", b"text/plain; charset=\xe9"), (b"x-account", b"7")],
+    ],
+)
+def test_scope_digest_is_request_digest_of_the_scope(
+    names: tuple[bytes, ...], sent: list[tuple[bytes, bytes]]
+) -> None:
+    # scope_digest formats the usual request (one digest header, sent once) in one call:
+    # it must hash exactly what request_digest hashes, for that shape and every other.
+    for method, path, query, body in [
+        ("POST", "/orders", b"", b'{"a": 1}'),
+        ("patch", "/x/\udcff/\u00e9", b"a=1&b", b""),
+        ("POST", "/", b"q", b"x" * 100_000),
+    ]:
+        headers = [(b"host", b"example"), *sent]
+        scope = {"method": method, "path": path, "query_string": query, "headers": headers}
+        named = [(name, [v for k, v in headers if k == name]) for name in names]
+        expected = request_digest(method, path, query, body, named)
+        assert scope_digest(scope, body, names) == expected
+    assert scope_digest({"method": "POST", "path": "/", "headers": sent}, b"", names) == (
+        request_digest("POST", "/", b"", b"", [(n, [v for k, v in sent if k == n]) for n in names])
     )

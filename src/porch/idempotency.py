@@ -30,7 +30,7 @@ from .idempotency_keys import (
     InvalidKey,
     ScopeFunc,
     parse_key,
-    request_digest,
+    scope_digest,
 )
 from .idempotency_rules import IdempotencyRule, select
 from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
@@ -171,14 +171,7 @@ class IdempotencyMiddleware:
             return
         if body is None:  # the client left while sending
             return
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        digest = request_digest(
-            scope["method"],
-            scope["path"],
-            scope.get("query_string", b""),
-            body,
-            [(name, [v for k, v in headers if k == name]) for name in rule.digest_headers],
-        )
+        digest = scope_digest(scope, body, rule.digest_headers)
         try:
             caller = self._scope(scope)
         except ForwardingHeaderError as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Sequence
 
 from ._types import Scope
@@ -16,12 +15,12 @@ __all__ = [
     "authorization_scope",
     "parse_key",
     "request_digest",
+    "scope_digest",
 ]
 
 ScopeFunc = Callable[[Scope], str]
 
 MAX_KEY_LENGTH = 255
-_PRINTABLE = re.compile(rb"[\x20-\x7e]*")  # a regex: 10x cheaper than a per-byte loop
 
 
 class InvalidKey(Exception):
@@ -43,9 +42,13 @@ def parse_key(values: list[bytes]) -> str:
         raise InvalidKey("Idempotency-Key is empty")
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKey(f"Idempotency-Key is longer than {MAX_KEY_LENGTH} characters")
-    if _PRINTABLE.fullmatch(key) is None:
-        raise InvalidKey("Idempotency-Key must be printable ASCII")
-    return key.decode("ascii")
+    # ASCII first, then printable: for ASCII text str.isprintable() is exactly
+    # 0x20-0x7e, and these two C calls cost half of a regex match.
+    if key.isascii():
+        text = key.decode("ascii")
+        if text.isprintable():
+            return text
+    raise InvalidKey("Idempotency-Key must be printable ASCII")
 
 
 def _sf_string(raw: bytes) -> bytes:
@@ -138,3 +141,42 @@ def request_digest(
     h = hashlib.blake2b(b"".join(parts), digest_size=32)
     h.update(body)
     return h.digest()
+
+
+def scope_digest(scope: Scope, body: bytes, names: Sequence[bytes]) -> bytes:
+    """:func:`request_digest` of an ASGI request, ``names`` the rule's digest headers."""
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    query: bytes = scope.get("query_string", b"")
+    if len(names) == 1:
+        name = names[0]
+        values = [v for k, v in headers if k == name]
+        if len(values) == 1:
+            # The usual keyed request (the default rule digests Content-Type alone, sent
+            # once): the bytes request_digest hashes before the body, in one format call
+            # and no per-header lists. Once per request, so worth ~1 us under a server.
+            method_b = scope["method"].upper().encode("ascii", "replace")
+            path_b = scope["path"].encode("utf-8", "surrogateescape")
+            value = values[0]
+            h = hashlib.blake2b(
+                b"%d:%s%d:%s%d:%sh%d:%s#1%d:%sb%d:"
+                % (
+                    len(method_b),
+                    method_b,
+                    len(path_b),
+                    path_b,
+                    len(query),
+                    query,
+                    len(name),
+                    name,
+                    len(value),
+                    value,
+                    len(body),
+                ),
+                digest_size=32,
+            )
+            h.update(body)
+            return h.digest()
+        named = [(name, values)]
+    else:
+        named = [(name, [v for k, v in headers if k == name]) for name in names]
+    return request_digest(scope["method"], scope["path"], query, body, named)
