@@ -156,8 +156,8 @@ measured split between the event loop and the SQLite writer thread.
   naming the client, the decision's headers). In-process that is about 2 µs
   more than `bare-headers`; under uvicorn at 64 connections the event loop
   spends 10-18 µs more per request than `bare-headers` does (profilers, which
-  slow every request alike, see 5-6 µs), and the row lands near 0.6× bare,
-  below the 0.80× target before any store is involved. Every store's row is
+  slow every request alike, see 5-6 µs), and the row lands at 0.61-0.66× bare
+  in the runs so far, below the 0.80× target before any store is involved. Every store's row is
   measured against that: the gap between `limiter-nostore` and `limiter` is
   what the durable decision costs.
 - **A durable decision costs a round trip.** Each limited request is parked
@@ -176,6 +176,14 @@ measured split between the event loop and the SQLite writer thread.
   nothing to group, and each waits for its own commit: the concurrency curve
   shows it. The added p99 follows from the same queueing: a request waits for
   the commit in progress, then its own.
+- **256 connections.** The bare app's own p99 there is above 15 ms on this
+  machine (the target line shows it), so a limiter in front of it cannot be
+  under 15 ms. The ratio is one interleaved point per run and swings between
+  runs: 0.669× in the run of 2026-12-01 and 0.588× in the run of 2026-12-02,
+  on a machine that served the bare app about a fifth slower that day. An
+  interleaved `benchmarks/ab.py --base a38895f --variants bare,limiter
+  --connections 256 --rounds 4` (the code of the first run against the second)
+  gave 0.617× and 0.610×: the same code speed, a different machine.
 - **Distinct keys.** With one hot key a group commit rewrites one b-tree page;
   with thousands of distinct clients it rewrites one page per client in the
   group, and SQLite writes each page to the WAL as its own frame. Within a
