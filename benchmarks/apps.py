@@ -41,7 +41,9 @@ from porch.store.base import Hit, Store, StoreOp
 VARIANTS = (
     "bare",
     "bare-headers",
+    "bare-ietf-headers",
     "limiter",
+    "limiter-ietf",
     "limiter-nostore",
     "limiter-power",
     "limiter-postgres",
@@ -53,6 +55,8 @@ VARIANTS = (
     "slowapi-redis",
     "peer-idempotency",
 )
+
+LIMITERS = ("limiter", "limiter-ietf", "limiter-power", "limiter-postgres", "limiter-redis")
 
 # Far above anything a run can send: the limiter counts every request, refuses none.
 HUGE = 1_000_000_000
@@ -105,7 +109,10 @@ def create() -> Starlette:
             return RedisStore(redis_url, prefix="bench")
         return SQLiteStore(data, durability="power" if variant == "limiter-power" else "process")
 
-    headers = LIMITER_HEADERS if variant == "bare-headers" else None
+    headers = {
+        "bare-headers": LIMITER_HEADERS,
+        "bare-ietf-headers": {k: v for k, v in LIMITER_HEADERS.items() if k.startswith("rate")},
+    }.get(variant)
 
     async def hello(request: Request) -> Response:
         if io:
@@ -149,7 +156,7 @@ def create() -> Starlette:
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
         )
-    elif variant in ("limiter", "limiter-power", "limiter-postgres", "limiter-redis"):
+    elif variant in LIMITERS:
         pool = KeyPool(store())
         pools.append(pool)
         app.add_middleware(
@@ -158,6 +165,7 @@ def create() -> Starlette:
             rules=Rule(Limit(HUGE, window)),
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
+            headers="ietf" if variant == "limiter-ietf" else "both",
         )
     elif variant in ("idempotency", "idempotency-postgres", "idempotency-redis"):
         pool = KeyPool(store())
@@ -170,7 +178,7 @@ def create() -> Starlette:
         from idempotency_header_middleware.backends.memory import MemoryBackend
 
         app.add_middleware(IdempotencyHeaderMiddleware, backend=MemoryBackend())
-    elif variant not in ("bare", "bare-headers"):
+    elif variant not in ("bare", "bare-headers", "bare-ietf-headers"):
         raise SystemExit(f"unknown BENCH_VARIANT {variant!r}; one of {VARIANTS}")
     if freeze:
         # What docs/deployment.md recommends: everything built at start-up leaves the

@@ -53,6 +53,13 @@ CASES = (
         "bare app sending the limiter's five headers itself (their cost alone)",
     ),
     Case(
+        "bare-ietf-headers",
+        "bare-ietf-headers",
+        GET,
+        "bare",
+        "bare app sending the IETF draft's two headers itself (RateLimit-Policy, RateLimit)",
+    ),
+    Case(
         "limiter-nostore",
         "limiter-nostore",
         GET,
@@ -67,6 +74,13 @@ CASES = (
         "bare",
         "porch limiter, the app calls gc.freeze() at start-up",
         env=FROZEN,
+    ),
+    Case(
+        "limiter-ietf",
+        "limiter-ietf",
+        GET,
+        "bare",
+        'porch limiter, headers="ietf" (the draft\'s two fields, no X-RateLimit-*)',
     ),
     Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),

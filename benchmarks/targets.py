@@ -145,11 +145,17 @@ The server has one core, so throughput is set by the CPU each request costs
 the server, on every thread together: see "Where the CPU goes" below for the
 measured split between the event loop and the SQLite writer thread.
 
-- **The headers.** The limiter must add five headers to every response
+- **The headers.** By default the limiter adds five headers to every response
   (`X-RateLimit-*`, `RateLimit-Policy`, `RateLimit`). The `bare-headers` row is
   the bare app sending those same five headers itself, with nothing counted:
   uvicorn's per-header handling alone takes that share of a hello-world
-  response, which leaves little room under a 0.80× target for the counting.
+  response (0.78-0.91× bare in interleaved runs), which leaves little or no room
+  under a 0.80× target for the counting. `headers="ietf"` sends the IETF draft's
+  two fields only: the `bare-ietf-headers` row is the bare app sending those two
+  (0.85-1.00× in the same runs), and `limiter-ietf` is the limiter with that
+  setting (0.67× bare against the default's 0.61-0.63× in one interleaved run,
+  `benchmarks/ab.py --base HEAD --variants
+  bare,bare-headers,bare-ietf-headers,limiter,limiter-ietf --connections 64`).
 - **The middleware itself.** The `limiter-nostore` row is porch's limiter over
   a pool that allows every hit at once: no store, no mailbox, no thread, no
   wait, only the middleware's own Python per request (selecting the rule,

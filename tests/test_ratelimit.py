@@ -74,6 +74,29 @@ async def test_headers_count_down_then_429_with_problem_body(pool: KeyPool) -> N
     assert "x-app" not in refused.headers
 
 
+@pytest.mark.parametrize(
+    ("style", "fields"),
+    [
+        ("ietf", {"ratelimit-policy", "ratelimit"}),
+        ("x-ratelimit", {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}),
+        ("none", set()),
+    ],
+)
+async def test_headers_choose_the_fields_and_a_refusal_keeps_retry_after(
+    pool: KeyPool, style: Any, fields: set[str]
+) -> None:
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60, name="api")), headers=style)
+    async with client(app) as c:
+        allowed, refused = [await c.get("/x") for _ in range(2)]
+    rate_fields = {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+    rate_fields |= {"ratelimit-policy", "ratelimit", "retry-after"}
+    assert (allowed.status_code, refused.status_code) == (200, 429)
+    assert rate_fields & set(allowed.headers) == fields
+    assert rate_fields & set(refused.headers) == fields | {"retry-after"}
+    assert refused.headers["retry-after"] == "60"
+    assert allowed.headers["x-app"] == "1"
+
+
 async def test_retry_after_is_whole_seconds_never_early(pool: KeyPool, clock: ManualClock) -> None:
     app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 10)))
     async with client(app) as c:
@@ -312,6 +335,10 @@ async def test_lifespan_opens_and_closes_the_pool(pool: KeyPool) -> None:
         ({"rules": [Rule(Limit(1, 1)), Rule(Limit(2, 1))]}, "rule names must be unique"),
         ({"exempt": ("health",)}, "exempt paths must start with '/'"),
         ({"retry_after_saturated": 0}, "retry_after_saturated must be >= 1"),
+        (
+            {"headers": "X-RateLimit"},
+            r"headers must be one of \('both', 'ietf', 'x-ratelimit', 'none'\), got 'X-RateLimit'",
+        ),
     ],
 )
 def test_configuration_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from porch import KeyPool, SQLiteStore
+from porch import ConfigurationError, KeyPool, SQLiteStore
 from porch.fastapi import Idempotency, RateLimit, RateLimitExceeded, idempotent, install, limit
 
 pytestmark = pytest.mark.anyio
@@ -179,3 +179,30 @@ async def test_a_dependency_on_a_route_never_installed_answers_503(pool: KeyPool
     async with client(app) as c:
         response = await c.get("/late")
     assert response.status_code == 503
+
+
+async def test_install_headers_choose_what_routes_send_and_the_schema_lists(
+    pool: KeyPool,
+) -> None:
+    app = FastAPI()
+
+    @app.get("/items", dependencies=[Depends(RateLimit("1/minute"))])
+    async def items() -> dict[str, str]:
+        return {}
+
+    assert install(app, pool, headers="ietf") == 1
+    async with client(app) as c:
+        allowed, refused = await c.get("/items"), await c.get("/items")
+        schema = (await c.get("/openapi.json")).json()
+    assert (allowed.status_code, refused.status_code) == (200, 429)
+    assert allowed.headers["ratelimit"] == '"1-per-60s";r=0;t=60'
+    assert "x-ratelimit-limit" not in allowed.headers
+    assert refused.headers["retry-after"] == "60"
+    assert "x-ratelimit-remaining" not in refused.headers
+    documented = schema["paths"]["/items"]["get"]["responses"]["429"]["headers"]
+    assert set(documented) == {"Retry-After", "RateLimit-Policy", "RateLimit"}
+
+
+async def test_install_refuses_an_unknown_header_style(pool: KeyPool) -> None:
+    with pytest.raises(ConfigurationError, match="headers must be one of"):
+        install(FastAPI(), pool, headers="X-RateLimit")  # type: ignore[arg-type]

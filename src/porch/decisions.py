@@ -8,15 +8,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .refusals import Remembered
 from .rules import Limit, Rule
 from .store.base import Hit
 
-__all__ = ["CompiledRule", "PolicyState", "Refusal", "decide", "remembered_hit"]
+__all__ = [
+    "HEADER_STYLES",
+    "CompiledRule",
+    "HeaderStyle",
+    "PolicyState",
+    "Refusal",
+    "decide",
+    "remembered_hit",
+]
 
 _ceil = math.ceil  # a global, not an attribute load per call on the hot path
+
+# Which rate-limit fields a response carries: the IETF draft's ``RateLimit-Policy`` and
+# ``RateLimit``, the de-facto ``X-RateLimit-Limit/-Remaining/-Reset``, both, or none.
+# A refusal carries ``Retry-After`` whatever the style: it is HTTP's own.
+HeaderStyle = Literal["both", "ietf", "x-ratelimit", "none"]
+HEADER_STYLES: tuple[HeaderStyle, ...] = get_args(HeaderStyle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,7 @@ class CompiledRule:
     __slots__ = (
         "amounts",
         "counters",
+        "ietf",
         "limit_bytes",
         "limit_header",
         "limits",
@@ -56,11 +71,16 @@ class CompiledRule:
         "prefixes",
         "rule",
         "status_prefixes",
+        "style",
         "windows",
+        "x",
     )
 
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, headers: HeaderStyle = "both") -> None:
         self.rule = rule
+        self.style: HeaderStyle = headers
+        self.ietf = headers in ("both", "ietf")
+        self.x = headers in ("both", "x-ratelimit")
         # (allowed, refused) metric counters, bound once when metrics are configured.
         self.counters: tuple[Any, Any] | None = None
         self.limits: tuple[Limit, ...] = rule.limits
@@ -104,12 +124,24 @@ def decide(
         window = compiled.windows[0]
         reset = reset if reset < window else window
         left = compiled.amounts[0] - hit.counts[0]
+        style = compiled.style
+        if style == "x-ratelimit":
+            return [
+                compiled.limit_header,
+                (b"x-ratelimit-remaining", b"%d" % left),
+                (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + reset)),
+            ], None
+        if style == "none":
+            return [], None
+        status = compiled.status_prefixes[0] + b"%d;t=%d" % (left, _ceil(reset) or 1)
+        if style == "ietf":
+            return [compiled.policy_pair, (b"ratelimit", status)], None
         return [
             compiled.limit_header,
             (b"x-ratelimit-remaining", b"%d" % left),
             (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + reset)),
             compiled.policy_pair,
-            (b"ratelimit", compiled.status_prefixes[0] + b"%d;t=%d" % (left, _ceil(reset) or 1)),
+            (b"ratelimit", status),
         ], None
     amounts = compiled.amounts
     counts = hit.counts
@@ -129,13 +161,15 @@ def decide(
         status = b", ".join(
             compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
         )
-    headers = [
-        (b"x-ratelimit-limit", compiled.limit_bytes[i]),
-        (b"x-ratelimit-remaining", b"%d" % remaining[i]),
-        (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
-        compiled.policy_pair,
-        (b"ratelimit", status),
-    ]
+    headers: list[tuple[bytes, bytes]] = []
+    if compiled.x:
+        headers += [
+            (b"x-ratelimit-limit", compiled.limit_bytes[i]),
+            (b"x-ratelimit-remaining", b"%d" % remaining[i]),
+            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
+        ]
+    if compiled.ietf:
+        headers += [compiled.policy_pair, (b"ratelimit", status)]
     if hit.allowed:
         return headers, None
     violated = tuple(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .decisions import HeaderStyle
 from .routes import RouteIdempotency, RouteLimit
 
 __all__ = ["document"]
@@ -44,14 +45,20 @@ def document(
     responses: dict[int | str, Any],
     limits: list[RouteLimit],
     idempotency: list[RouteIdempotency],
+    headers: HeaderStyle = "both",
 ) -> None:
-    """Add porch's responses and parameters to ``route`` (an APIRoute); what is there stays."""
+    """Add porch's responses and parameters to ``route`` (an APIRoute); what is there stays.
+    The rate-limit headers listed are those of ``headers`` (the style its limits send)."""
     if limits:
+        # Names by their family's prefix: "X-RateLimit-*", or the draft's "RateLimit*".
+        families = {"both": ("X-", "RateLimit"), "ietf": ("RateLimit",), "x-ratelimit": ("X-",)}
+        prefixes = families.get(headers, ())
+        sent = {name: spec for name, spec in _RATE_HEADERS.items() if name.startswith(prefixes)}
         responses.setdefault(
             429,
             {
                 "description": "Too Many Requests: a rate limit of this route is exhausted.",
-                "headers": {**_RETRY_AFTER, **_RATE_HEADERS},
+                "headers": {**_RETRY_AFTER, **sent},
                 "content": _PROBLEM,
             },
         )

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from ._asgi import adding_headers, pass_through, websocket_denial
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
+from .decisions import HEADER_STYLES, HeaderStyle, PolicyState, Refusal, decide, remembered_hit
 from .decisions import CompiledRule as _CompiledRule
-from .decisions import PolicyState, Refusal, decide, remembered_hit
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -89,6 +89,10 @@ class RateLimitMiddleware:
     and answered from memory (no mailbox slot) until the rule's first window
     ends, at most ``refusal_memory`` seconds (0: off), for at most
     ``refusal_memory_entries`` clients; ``clock`` defaults to the store's.
+    ``headers`` picks the rate-limit fields each limited response carries: the IETF
+    draft's ``RateLimit-Policy`` and ``RateLimit`` (``"ietf"``),
+    ``X-RateLimit-Limit/-Remaining/-Reset`` (``"x-ratelimit"``), ``"both"`` (the
+    default) or ``"none"``; a refusal carries ``Retry-After`` whatever the choice.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class RateLimitMiddleware:
         refusal_memory_entries: int = 10_000,
         clock: Clock | None = None,
         enabled: bool = True,
+        headers: HeaderStyle = "both",
     ) -> None:
         rules = (rules,) if isinstance(rules, Rule) else tuple(rules)
         if not rules:
@@ -123,6 +128,8 @@ class RateLimitMiddleware:
             raise ConfigurationError(
                 f"refusal_memory_entries must be >= 1, got {refusal_memory_entries}"
             )
+        if headers not in HEADER_STYLES:
+            raise ConfigurationError(f"headers must be one of {HEADER_STYLES}, got {headers!r}")
         names = [r.name for r in rules if not r.shared]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"rule names must be unique, got {names}")
@@ -133,7 +140,7 @@ class RateLimitMiddleware:
         self.app = app
         self.pool = pool
         self.enabled = enabled
-        self._rules = tuple(_CompiledRule(r) for r in rules)
+        self._rules = tuple(_CompiledRule(r, headers) for r in rules)
         # The common configuration: a first rule over the whole app and every method. It
         # selects every HTTP request that is not exempt, so such a request is neither
         # normalized nor matched (see _select: matches() is True for any method and path).
@@ -292,7 +299,7 @@ class RateLimitMiddleware:
                 return
         elif counters is not None:
             counters[0].inc()
-        await self.app(scope, receive, adding_headers(send, headers))
+        await self.app(scope, receive, adding_headers(send, headers) if headers else send)
 
     async def _ask_store(
         self, keys: list[str], compiled: _CompiledRule, client: str

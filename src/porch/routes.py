@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._types import ASGIApp, Receive, Scope, Send
+from .decisions import HeaderStyle
 from .errors import ConfigurationError, RateLimitExceeded
 from .idempotency import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
 from .idempotency_keys import ScopeFunc
@@ -179,6 +180,7 @@ def guard(
     idempotency: list[RouteIdempotency],
     key: KeyFunc | None,
     on_refused: RefusalFactory,
+    headers: HeaderStyle = "both",
 ) -> ASGIApp:
     """``app`` (a route's) wrapped: rate limits outside (a refused request never claims a key),
     idempotency inside. Every namespace is claimed on ``pool`` now."""
@@ -239,5 +241,6 @@ def guard(
             dry_run=first.dry_run,
             fail_open=first.fail_open,
             on_refused=on_refused,
+            headers=headers,
         )
     return _Mark(inner, frozenset(id(d) for d in [*limits, *idempotency]))

@@ -26,7 +26,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
 from . import errors
-from .decisions import Refusal
+from .decisions import HEADER_STYLES, HeaderStyle, Refusal
 from .errors import ConfigurationError, StoreError
 from .idempotency import DEFAULT_QUOTA
 from .idempotency_keys import ScopeFunc
@@ -161,6 +161,7 @@ def install(
     pool: KeyPool,
     *,
     key: KeyFunc | None = None,
+    headers: HeaderStyle = "both",
     manage_pool: bool = True,
 ) -> int:
     """Guard every route of ``app`` (Starlette or FastAPI, mounts and hosts included) that
@@ -168,11 +169,14 @@ def install(
 
     Every counter namespace is claimed on ``pool`` here, so a name clash is a
     ConfigurationError now, not at the first request. ``key`` is the default client
-    key of route limits (default: the peer host). ``manage_pool`` opens the pool at
+    key of route limits (default: the peer host), ``headers`` the rate-limit fields their
+    responses carry (see :class:`~porch.RateLimitMiddleware`). ``manage_pool`` opens the pool at
     startup and closes it at shutdown through the app's lifespan.
     """
     if not isinstance(pool, KeyPool):
         raise ConfigurationError("pool must be a porch KeyPool")
+    if headers not in HEADER_STYLES:
+        raise ConfigurationError(f"headers must be one of {HEADER_STYLES}, got {headers!r}")
     routes = getattr(app, "routes", None)
     if routes is None:
         raise ConfigurationError(f"install() needs a Starlette or FastAPI app, got {app!r}")
@@ -199,9 +203,10 @@ def install(
             idempotency=idempotency,
             key=key,
             on_refused=on_refused,
+            headers=headers,
         )
         route._porch_installed = True
-        _document(route, limits, idempotency)
+        _document(route, limits, idempotency, headers)
         guarded += 1
     if guarded and hasattr(app, "openapi_schema"):
         app.openapi_schema = None  # FastAPI caches its schema: rebuild with the additions
@@ -237,14 +242,19 @@ def _declarations(route: Any) -> list[RouteLimit | RouteIdempotency]:
     return found
 
 
-def _document(route: Any, limits: list[RouteLimit], idempotency: list[RouteIdempotency]) -> None:
+def _document(
+    route: Any,
+    limits: list[RouteLimit],
+    idempotency: list[RouteIdempotency],
+    headers: HeaderStyle,
+) -> None:
     """FastAPI: 429 and 503 responses and the Idempotency-Key header in the route's schema."""
     responses = getattr(route, "responses", None)
     if not isinstance(responses, dict):
         return
     from .openapi import document
 
-    document(route, responses, limits, idempotency)
+    document(route, responses, limits, idempotency, headers)
 
 
 def _with_pool(
