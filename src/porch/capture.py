@@ -32,8 +32,6 @@ _UNSTORED_STATUSES = frozenset({408, 409, 425, 429})
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What servers refuse to send in a header value (the set uvicorn checks): CTLs but HTAB.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-# Every name a token, joined by "," (no token character): one match for the whole head.
-_TOKENS = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+(?:,[!#$%&'*+\-.^_`|~0-9A-Za-z]+)*")
 
 
 def storable(status: int) -> bool:
@@ -44,21 +42,61 @@ def storable(status: int) -> bool:
 def _invalid_header(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     """The first header whose bytes a server would refuse to send (a name that is no token,
     CR/LF/NUL or another control byte in a value), or None."""
-    if not headers:
-        return None
-    # Checked all at once first (values joined by HTAB, which they may hold): the
-    # common, valid head costs two regex calls, not two per header.
-    names = b",".join([name for name, _ in headers])
-    if (
-        _TOKENS.fullmatch(names) is not None
-        and names.count(b",") == len(headers) - 1  # no "," inside a name
-        and _BAD_VALUE.search(b"\t".join([value for _, value in headers])) is None
-    ):
-        return None
     for name, value in headers:
         if TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
             return bytes(name)
     return None
+
+
+# Names already found to be tokens -> the form a replay keeps them under (lowercased), or
+# b"" if it does not keep them. A response head repeats the same few names, so the usual
+# head costs a dict lookup per name, not a regex call and a lower(). Bounded: a handler
+# inventing names cannot grow it; past the bound, new names are checked every time.
+_NAMES: dict[bytes, bytes] = {}
+_NAMES_MAX = 1024
+
+
+def _known(name: bytes) -> bytes | None:
+    """``name``'s entry for _NAMES (learnt if there is room); None if it is no token."""
+    if TOKEN.fullmatch(name) is None:
+        return None
+    lower = name.lower()
+    kept = lower if lower in REPLAYED_HEADERS else b""
+    if len(_NAMES) < _NAMES_MAX:
+        _NAMES[name] = kept
+    return kept
+
+
+def head(
+    headers: Sequence[tuple[bytes, bytes]],
+) -> tuple[tuple[tuple[bytes, bytes], ...], bytes | None]:
+    """The headers a replay keeps (``REPLAYED_HEADERS``, names lowercased), and the first
+    header a server would refuse to send (see _invalid_header), or None."""
+    kept: list[tuple[bytes, bytes]] = []
+    values: list[bytes] = []
+    try:
+        for name, value in headers:
+            as_kept = _NAMES.get(name)
+            if as_kept is None:
+                as_kept = _known(name)
+                if as_kept is None:
+                    break  # no token: found one by one below
+            values.append(value)
+            if as_kept:
+                kept.append((as_kept, value))
+        else:
+            # The values all at once (joined by HTAB, which they may hold): one regex call.
+            if _BAD_VALUE.search(b"\t".join(values)) is None:
+                return tuple(kept), None
+    except TypeError:
+        pass  # not bytes (a bytearray is no dict key): checked one by one below
+    invalid = _invalid_header(headers)
+    kept = []
+    for name, value in headers:
+        name = name.lower()
+        if name in REPLAYED_HEADERS:
+            kept.append((name, value))
+    return tuple(kept), invalid
 
 
 class Capture:
@@ -80,6 +118,7 @@ class Capture:
         "oversized",
         "reported",
         "send",
+        "shard",
         "size",
         "start",
         "status",
@@ -94,6 +133,7 @@ class Capture:
         token: int,
         caller: str,
         digest: bytes,
+        shard: int,
     ) -> None:
         self.send = send
         self.middleware = middleware
@@ -101,6 +141,7 @@ class Capture:
         self.token = token
         self.caller = caller
         self.digest = digest
+        self.shard = shard  # the key's shard (KeyPool.submit's answer to the Acquire)
         self.status = 0
         self.start: Message | None = None
         self.headers: tuple[tuple[bytes, bytes], ...] = ()
@@ -112,20 +153,13 @@ class Capture:
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
-        return self.middleware._report(self.key, self.token, self.caller, response)
+        return self.middleware._report(self.key, self.token, self.caller, response, self.shard)
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
-            headers = message.get("headers", ())
-            self.invalid = _invalid_header(headers)
-            kept = []
-            for name, value in headers:
-                name = name.lower()
-                if name in REPLAYED_HEADERS:
-                    kept.append((name, value))
-            self.headers = tuple(kept)
+            self.headers, self.invalid = head(message.get("headers", ()))
             # Held until the first body chunk: a one-chunk response (the usual
             # kind) then leaves as head and body together, after its commit,
             # not as a head now and a body a commit later.

@@ -222,13 +222,13 @@ class IdempotencyMiddleware:
             # Parked behind a running owner costs a parked task, no polling. The
             # shard arms the wait_timeout deadline only if the call has to wait.
             acquire = Acquire(future, key, digest, self.wait_timeout)
-            pool.submit(key, acquire)
+            shard = pool.submit(key, acquire)
             try:
                 outcome = await future
             except asyncio.CancelledError:
                 # Cancelled just as ownership arrived: the claim must not be left held.
                 if future.done() and not future.cancelled() and future.result() is OWNER:
-                    self._report(key, acquire.token, caller, None)
+                    self._report(key, acquire.token, caller, None, shard)
                 raise
         except TimeoutError:
             self.events.event(
@@ -291,7 +291,7 @@ class IdempotencyMiddleware:
         elif outcome is OWNER:
             if outcomes is not None:
                 outcomes["executed"].inc()
-            capture = Capture(send, self, key, acquire.token, caller, digest)
+            capture = Capture(send, self, key, acquire.token, caller, digest, shard)
             await self._run_owner(scope, receive, capture, body)
 
     async def _run_owner(
@@ -306,12 +306,13 @@ class IdempotencyMiddleware:
                 capture.report(None)
 
     def _report(
-        self, key: str, token: int, caller: str, response: StoredResponse | None
+        self, key: str, token: int, caller: str, response: StoredResponse | None, shard: int
     ) -> asyncio.Future[Report]:
+        """Send the owner's report to ``shard``, the one its Acquire went to."""
         done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
         call = Complete.of(done, key, token, response, self.ttl, caller, self.quota)
         try:
-            self.pool.submit(key, call, must_deliver=True)
+            self.pool.submit(key, call, must_deliver=True, shard=shard)
         except PoolClosedError as exc:
             done.set_exception(exc)
         if response is None:

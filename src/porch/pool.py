@@ -210,20 +210,27 @@ class KeyPool:
                 shard.abandon(closed)
         await self.store.close()
 
-    def submit(self, key: str, call: Call, *, must_deliver: bool = False) -> None:
+    def submit(
+        self, key: str, call: Call, *, must_deliver: bool = False, shard: int | None = None
+    ) -> int:
         """Queue ``call`` on the shard owning ``key``; raises SaturatedError when it is full.
+        Returns that shard's index (``shard_index(key)``).
 
         ``must_deliver`` skips the capacity check, for reports that release state
         (an owner's result): they are bounded by the calls already admitted, and
-        dropping one would strand the callers parked behind it.
+        dropping one would strand the callers parked behind it. ``shard``: the index
+        an earlier submit for the same key returned, so the key is not hashed again
+        (an idempotency owner's report follows its acquire).
         """
         if not self._started:
             raise PoolClosedError("the key pool is not running")
         if self._loop is not asyncio.get_running_loop():
             # The actors would never see it: never a hang, a clear error (start() moves the pool).
             raise PoolClosedError("the key pool runs on another event loop; await start() first")
-        shard = self._shards[zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size]
-        shard.mailbox.send_nowait(call, force=must_deliver)
+        if shard is None:
+            shard = zlib.crc32(key.encode("utf-8", "surrogatepass")) % self._size
+        self._shards[shard].mailbox.send_nowait(call, force=must_deliver)
+        return shard
 
     def apply_now(self, key: str, op: StoreOp) -> bool:
         """Commit ``op`` on the calling task, now, if nothing else is in flight: True once
