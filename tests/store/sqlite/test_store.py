@@ -383,3 +383,20 @@ def test_stored_headers_are_exactly_their_json(headers: tuple[tuple[bytes, bytes
     assert [(k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(stored)] == list(
         headers
     )
+    # Again, from the recent heads (an equal head, not the same object), and a bytearray
+    # value (no dict key) encoded the same.
+    assert headers_json(tuple((bytes(k), bytes(v)) for k, v in headers)) == stored
+    assert headers_json(tuple((k, bytearray(v)) for k, v in headers)) == stored  # type: ignore[misc]
+
+
+def test_recent_heads_stay_bounded_and_exact() -> None:
+    import json
+
+    from porch.store.sqlite import saves
+
+    for i in range(3 * saves._HEADS_MAX):
+        head = ((b"location", f"/orders/{i}".encode()), (b"content-type", b"text/plain"))
+        expected = json.dumps([["location", f"/orders/{i}"], ["content-type", "text/plain"]])
+        assert saves.headers_json(head) == expected
+        assert saves.headers_json(head) == expected  # as kept
+        assert len(saves._HEADS) <= saves._HEADS_MAX

@@ -66,10 +66,30 @@ def chunks(keys: list[str]) -> Iterator[list[str]]:
 _JSON_PLAIN = re.compile(rb"[ !#-\[\]-~]*")
 
 
+# The stored form of recent heads: an endpoint sends the same few (its content type), whose
+# form is then one dict lookup, not ~1 us of encoding per save. Emptied when full, so heads
+# that never repeat (a Location per resource) cannot keep the common ones out for long.
+_HEADS: dict[tuple[tuple[bytes, bytes], ...], str] = {}
+_HEADS_MAX = 256
+
+
 def headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
     """The stored form of a response's headers: exactly ``json.dumps`` of the latin-1
     pairs, written directly when every byte is plain (the usual head), which costs a
     fraction of the encoder's setup per call."""
+    try:
+        return _HEADS[headers]
+    except KeyError:
+        pass
+    except TypeError:  # no dict key (a bytearray value): encoded, not kept
+        return _headers_json(headers)
+    stored = _HEADS[headers] = _headers_json(headers)
+    if len(_HEADS) > _HEADS_MAX:
+        _HEADS.clear()
+    return stored
+
+
+def _headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
     if _JSON_PLAIN.fullmatch(b" ".join([b" ".join(pair) for pair in headers])) is None:
         return json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
     return "[" + ", ".join([f'["{k.decode()}", "{v.decode()}"]' for k, v in headers]) + "]"
