@@ -14,7 +14,9 @@ from porch.clock import ManualClock
 from porch.errors import ConfigurationError, StoreError
 from porch.store.base import Hit
 from porch.store.sqlite import SQLiteStore
-from porch.store.sqlite.schema import SCHEMA_VERSION
+from porch.store.sqlite.claims import SQLiteClaims
+from porch.store.sqlite.ops import apply_batch
+from porch.store.sqlite.schema import SCHEMA_VERSION, migrate
 
 pytestmark = pytest.mark.anyio
 
@@ -400,3 +402,45 @@ def test_recent_heads_stay_bounded_and_exact() -> None:
         assert saves.headers_json(head) == expected
         assert saves.headers_json(head) == expected  # as kept
         assert len(saves._HEADS) <= saves._HEADS_MAX
+
+
+def pruning_steps(path: Path, live: int, batch: int) -> int:
+    """SQLite VM steps (in hundreds) of a transaction of ``batch`` new hits that prunes the
+    10 expired counters among ``live`` live ones of the same limit."""
+    prefix = "rl\x1f/\x1f10/60\x1f"
+    claims = SQLiteClaims(path.with_name(path.name + ".locks"))
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        migrate(conn)
+        old = [Hit([f"{prefix}old{i}"], [10], [5.0]) for i in range(10)]
+        apply_batch(conn, old, 0.0, 0.0, 1, claims)
+        fresh = [Hit([f"{prefix}live{i}"], [10], [60.0]) for i in range(live)]
+        apply_batch(conn, fresh, 1.0, 1.0, 1, claims)
+        steps = 0
+
+        def step() -> int:
+            nonlocal steps
+            steps += 1
+            return 0
+
+        conn.set_progress_handler(step, 100)
+        new = [Hit([f"{prefix}new{i}"], [10], [60.0]) for i in range(batch)]
+        apply_batch(conn, new, 10.0, 10.0, 10, claims)
+        conn.set_progress_handler(None, 0)
+        (left,) = conn.execute("SELECT count(*) FROM counts WHERE expires <= 10.0").fetchone()
+        assert left == 0  # all 10 pruned
+        return steps
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["lone-hit", "batch"])
+def test_pruning_expired_counters_reads_only_them(tmp_path: Path, batch: int) -> None:
+    # One hit takes apply_batch's lone-hit path, two the batch path; both prune. SQLite
+    # planned the former one-statement prune (DELETE ... WHERE (name, client) IN
+    # (SELECT ...)) as a search on the limit's name alone: every transaction after the
+    # first windows expired read every live row of that limit (all its clients).
+    few = pruning_steps(tmp_path / "few.sqlite3", 1_000, batch)
+    many = pruning_steps(tmp_path / "many.sqlite3", 20_000, batch)
+    assert many <= few + 2, (few, many)

@@ -30,10 +30,13 @@ _UPSERT_COUNTER = (
     " window_start = excluded.window_start, expires = excluded.expires,"
     " wall_start = excluded.wall_start"
 )
-_PRUNE_COUNTERS = (
-    "DELETE FROM counts WHERE (name, client) IN"
-    " (SELECT name, client FROM counts WHERE expires <= ? ORDER BY expires LIMIT ?)"
-)
+# Expired counters are read first and then deleted by their primary key. One
+# ``DELETE ... WHERE (name, client) IN (SELECT ...)`` is planned by SQLite as a search
+# on ``name`` alone, testing every row of that name (for one limit, every client):
+# 35 ms to prune 64 expired rows among 200,000 live ones, on every transaction once
+# windows expire, where these two statements take 0.5 ms.
+_EXPIRED_COUNTERS = "SELECT name, client FROM counts WHERE expires <= ? ORDER BY expires LIMIT ?"
+_DELETE_COUNTER = "DELETE FROM counts WHERE name = ? AND client = ?"
 _PRUNE_RESPONSES = (
     "DELETE FROM responses WHERE key IN"
     " (SELECT key FROM responses WHERE expires <= ? ORDER BY expires LIMIT ?)"
@@ -76,7 +79,7 @@ def apply_batch(
             if responses:
                 conn.execute(_PRUNE_RESPONSES, (now, prune))
             if counts:
-                conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
+                _prune_counters(conn, now, max(prune, 2 * created))
             return
     hits: list[Hit] = []
     reads: list[Claim | Lookup] = []
@@ -105,13 +108,20 @@ def apply_batch(
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
     if hits:
         created = _apply_hits(conn, hits, now, wall, {} if names is None else names)
-        conn.execute(_PRUNE_COUNTERS, (now, max(prune, 2 * created)))
+        _prune_counters(conn, now, max(prune, 2 * created))
 
 
 def prune_expired(conn: sqlite3.Connection, now: float, rows: int) -> int:
     """Delete up to ``rows`` expired responses; how many went. (Counters are a few dozen
     bytes each and pruned by the hits that come; responses are what fill a disk.)"""
     return int(conn.execute(_PRUNE_RESPONSES, (now, rows)).rowcount)
+
+
+def _prune_counters(conn: sqlite3.Connection, now: float, rows: int) -> None:
+    """Delete up to ``rows`` expired counters, the longest expired first."""
+    expired = conn.execute(_EXPIRED_COUNTERS, (now, rows)).fetchall()
+    if expired:
+        conn.executemany(_DELETE_COUNTER, expired)
 
 
 def _apply_reads(
