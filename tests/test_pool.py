@@ -69,6 +69,17 @@ def test_bad_sizes_are_configuration_errors(size: int, mailbox: int, message: st
         KeyPool(GatedStore(), size=size, mailbox=mailbox)
 
 
+def test_the_default_size_is_the_stores_own(tmp_path: Path) -> None:
+    from porch.store.postgres import PostgresStore
+    from porch.store.redis import RedisStore
+
+    # SQLite's one writer commits every shard's batches together: one shard.
+    assert KeyPool(SQLiteStore(tmp_path)).size == 1
+    assert (PostgresStore.shards, RedisStore.shards) == (4, 4)
+    assert KeyPool(GatedStore()).size == 4  # a store that names no count
+    assert KeyPool(SQLiteStore(tmp_path), size=3).size == 3
+
+
 def test_shard_index_is_stable_and_spreads_keys() -> None:
     pool = KeyPool(GatedStore(), size=8)
     # crc32 is fixed across processes and runs (Python's hash() is salted).

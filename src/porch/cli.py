@@ -53,7 +53,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("--limit", type=int, default=60, help="requests per window per client")
     p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
-    p.add_argument("--pool-size", type=int, default=4, help="shard actors in the key pool")
+    p.add_argument(
+        "--pool-size",
+        type=int,
+        default=None,
+        help="shard actors in the key pool (default: the store's: 1 for SQLite, else 4)",
+    )
     p.add_argument("--mailbox", type=int, default=1024, help="queued operations per shard")
     p.add_argument(
         "--checkout-latency",

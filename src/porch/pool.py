@@ -37,6 +37,9 @@ __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
 
 logger = logging.getLogger("porch.pool")
 
+# Shards of a pool whose store does not say how many suit it (Store.shards).
+DEFAULT_SHARDS = 4
+
 # After a store failed to open, calls fail fast for this long before it is retried.
 _REOPEN_AFTER = 1.0
 # Closing the store of a stopped loop is bounded: a restart must never hang a request.
@@ -64,7 +67,13 @@ class PoolStatistics:
 
 
 class KeyPool:
-    """N shard actors over one store, on the event loop that uses it (see the module doc)."""
+    """N shard actors over one store, on the event loop that uses it (see the module doc).
+
+    ``size`` is N; by default the store's ``shards`` (SQLite 1: its one writer thread
+    commits all shards' batches together anyway; PostgreSQL and Redis 4, whose shards'
+    batches go out side by side), or 4 for a store that names none. ``mailbox`` is
+    each shard's capacity in queued operations: past it, calls are refused at once.
+    """
 
     __slots__ = (
         "_failed",
@@ -85,10 +94,14 @@ class KeyPool:
         self,
         store: Store,
         *,
-        size: int = 4,
+        size: int | None = None,
         mailbox: int = 1024,
         metrics: PorchMetrics | None = None,
     ) -> None:
+        if size is None:
+            # The store's own choice: SQLite's one writer commits every shard's batches
+            # in one transaction, so more shards there only add hand-offs on the loop.
+            size = int(getattr(store, "shards", DEFAULT_SHARDS))
         if size < 1:
             raise ConfigurationError(f"pool size must be >= 1, got {size}")
         if mailbox < 1:

@@ -25,7 +25,7 @@ class DemoConfig:
     data_dir: str = "./porch-data"
     limit: int = 60
     window: float = 60.0
-    pool_size: int = 4
+    pool_size: int | None = None  # None: the store's own shard count (KeyPool)
     mailbox: int = 1024
     checkout_latency: float = 0.0
     trust_proxy_hops: int = 0

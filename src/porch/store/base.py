@@ -227,6 +227,8 @@ class Store(Protocol):
     one after another (SQLite's one writer gains nothing from more); a remote store
     whose round trip, not its server's work, bounds a shard says more, and the pool
     then sends a shard's next batch while earlier ones are out, replying in order."""
+    # Optional: ``shards``, the shard count a KeyPool takes when not told (the
+    # pool reads it with getattr, so a store without it gets 4; SQLite says 1).
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

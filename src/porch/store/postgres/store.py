@@ -83,6 +83,9 @@ class PostgresStore:
     0.60x bare, loop CPU 57.3 -> 53.3 us per request).
     """
 
+    # A pool's default shard count: four, whose batches go out on connections side by side.
+    shards = 4
+
     def __init__(
         self,
         url: str,

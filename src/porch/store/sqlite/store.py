@@ -75,6 +75,10 @@ class SQLiteStore(SQLiteWriter):
 
     # One batch per shard at a time: the one writer thread commits them in turn anyway.
     in_flight = 1
+    # A pool's default shard count (KeyPool(size=None)): one. The writer already commits
+    # every queued batch in one transaction, so more shards would only split a loop
+    # iteration's requests into more batches, hand-offs and wake-ups on the event loop.
+    shards = 1
 
     def __init__(
         self,
