@@ -149,11 +149,12 @@ measured split between the event loop and the SQLite writer thread.
   (`X-RateLimit-*`, `RateLimit-Policy`, `RateLimit`). The `bare-headers` row is
   the bare app sending those same five headers itself, with nothing counted:
   uvicorn's per-header handling alone takes that share of a hello-world
-  response (0.78-0.91× bare in interleaved runs), which leaves little or no room
+  response (0.76-0.91× bare in the runs so far), which leaves little or no room
   under a 0.80× target for the counting. `headers="ietf"` sends the IETF draft's
   two fields only: the `bare-ietf-headers` row is the bare app sending those two
   (0.85-1.00× in the same runs), and `limiter-ietf` is the limiter with that
-  setting (0.67× bare against the default's 0.61-0.63× in one interleaved run,
+  setting (0.58× bare against the default's 0.52× in the committed run; 0.67×
+  against 0.61-0.63× in one interleaved run,
   `benchmarks/ab.py --base HEAD --variants
   bare,bare-headers,bare-ietf-headers,limiter,limiter-ietf --connections 64`).
 - **The middleware itself.** The `limiter-nostore` row is porch's limiter over
@@ -162,7 +163,7 @@ measured split between the event loop and the SQLite writer thread.
   naming the client, the decision's headers). In-process that is about 2 µs
   more than `bare-headers`; under uvicorn at 64 connections the event loop
   spends 10-18 µs more per request than `bare-headers` does (profilers, which
-  slow every request alike, see 5-6 µs), and the row lands at 0.61-0.66× bare
+  slow every request alike, see 5-6 µs), and the row lands at 0.60-0.66× bare
   in the runs so far, below the 0.80× target before any store is involved. Every store's row is
   measured against that: the gap between `limiter-nostore` and `limiter` is
   what the durable decision costs.
@@ -185,8 +186,9 @@ measured split between the event loop and the SQLite writer thread.
 - **256 connections.** The bare app's own p99 there is above 15 ms on this
   machine (the target line shows it), so a limiter in front of it cannot be
   under 15 ms. The ratio is one interleaved point per run and swings between
-  runs: 0.669× in the run of 2026-12-01 and 0.588× in the run of 2026-12-02,
-  on a machine that served the bare app about a fifth slower that day. An
+  runs: 0.669× in the run of 2026-12-01, 0.588× and then 0.633× in the two
+  runs of 2026-12-02, the first on a machine that served the bare app about a
+  fifth slower. An
   interleaved `benchmarks/ab.py --base a38895f --variants bare,limiter
   --connections 256 --rounds 4` (the code of the first run against the second)
   gave 0.617× and 0.610×: the same code speed, a different machine.
@@ -206,8 +208,18 @@ measured split between the event loop and the SQLite writer thread.
   checkpoint CPU 19.8 -> 18.7 µs a request), 0.708 -> 0.741× in another; a
   64 MiB WAL measured about the same. With big bodies in the side file, the
   quota gate stays under its 16 MiB (13 runs, at most 13.8 MiB). Measured and
-  not kept: 1 KiB pages (within noise); a fixed-size digest as the client key
-  (an IPv4 client's text is already 8-15 bytes).
+  not kept: 1 KiB and 2 KiB pages (keys-1000000 +0.5 to +3%, but stored
+  responses of 8-40 KB cost 9-89% more to save and read: docs/design.md); a
+  fixed-size digest as the client key (an IPv4 client's text is already 8-15
+  bytes). A pool on SQLite now has one shard by default: with four, distinct
+  clients split each loop iteration's hits into four batches, four hand-offs
+  and four replies, so the curve fell from 100 keys on (0.87× of one client);
+  with one, transactions per request are the same at every point (0.031) and
+  the curve went 1 / 0.934 / 0.917 / 0.827 for 100 / 10k / 1M keys (was 0.87 /
+  0.856 / 0.772). Windows that expire are a different load: the prune of
+  expired counters used to read every live client once any had expired (a
+  query plan, fixed in b05e37e); the churn curve (1 s windows, a new client per
+  request) went from 0.66× to 1.00× of one client's throughput.
 - **Workers on one core.** uvicorn's workers share one listening socket, and
   the kernel does not spread connections evenly over them: the split recorded
   above changes from round to round and is rarely even. A worker with a
@@ -227,7 +239,11 @@ measured split between the event loop and the SQLite writer thread.
   loop (the middleware's Python ~16 µs in pieces of 1-4 µs, the rest the two
   round trips' futures) and about 15 µs of writer time (the response upsert
   with its byte-total triggers 5.6, BEGIN/COMMIT 3.3, the claim's read 1.5).
-  No single lever is near the 20 µs the 0.60× target needs. Measured and not
+  No single lever is near the 20 µs the 0.60× target needs; since then the
+  response head's check and stored form (about 2.5 µs a request, 68494bd and
+  8007b74) and one shard instead of four (6 µs of loop a request: a new key
+  per request spread every batch over all four) took 0.51× to 0.53-0.54×.
+  Measured and not
   kept: taking the claim on the loop (0.53 -> 0.49× in one interleaved run: the
   loop is the busy core); committing each drain at once instead of grouping
   (0.43 -> 0.37× at 4 connections); a mypyc build of the hot modules (the
