@@ -48,37 +48,39 @@ def _invalid_header(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-# Names already found to be tokens -> the form a replay keeps them under (lowercased), or
-# b"" if it does not keep them. A response head repeats the same few names, so the usual
-# head costs a dict lookup per name, not a regex call and a lower(). Bounded: a handler
-# inventing names cannot grow it; past the bound, new names are checked every time.
-_NAMES: dict[bytes, bytes] = {}
-_NAMES_MAX = 1024
+# Bound of a head-names dict (see head): a handler inventing names cannot grow it; past
+# the bound, new names are checked every time.
+NAMES_MAX = 1024
 
 
-def _known(name: bytes) -> bytes | None:
-    """``name``'s entry for _NAMES (learnt if there is room); None if it is no token."""
+def _known(name: bytes, names: dict[bytes, bytes]) -> bytes | None:
+    """``name``'s entry for ``names`` (learnt if there is room); None if it is no token."""
     if TOKEN.fullmatch(name) is None:
         return None
     lower = name.lower()
     kept = lower if lower in REPLAYED_HEADERS else b""
-    if len(_NAMES) < _NAMES_MAX:
-        _NAMES[name] = kept
+    if len(names) < NAMES_MAX:
+        names[name] = kept
     return kept
 
 
 def head(
-    headers: Sequence[tuple[bytes, bytes]],
+    headers: Sequence[tuple[bytes, bytes]], names: dict[bytes, bytes]
 ) -> tuple[tuple[tuple[bytes, bytes], ...], bytes | None]:
     """The headers a replay keeps (``REPLAYED_HEADERS``, names lowercased), and the first
-    header a server would refuse to send (see _invalid_header), or None."""
+    header a server would refuse to send (see _invalid_header), or None.
+
+    ``names`` holds names already found to be tokens -> the form a replay keeps them
+    under (lowercased), or b"" if it does not keep them; its owner (a middleware) passes
+    the same dict every time. A response head repeats the same few names, so the usual
+    head costs a dict lookup per name, not a regex call and a lower()."""
     kept: list[tuple[bytes, bytes]] = []
     values: list[bytes] = []
     try:
         for name, value in headers:
-            as_kept = _NAMES.get(name)
+            as_kept = names.get(name)
             if as_kept is None:
-                as_kept = _known(name)
+                as_kept = _known(name, names)
                 if as_kept is None:
                     break  # no token: found one by one below
             values.append(value)
@@ -159,7 +161,7 @@ class Capture:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
-            self.headers, self.invalid = head(message.get("headers", ()))
+            self.headers, self.invalid = head(message.get("headers", ()), self.middleware._names)
             # Held until the first body chunk: a one-chunk response (the usual
             # kind) then leaves as head and body together, after its commit,
             # not as a head now and a body a commit later.

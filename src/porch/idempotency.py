@@ -106,6 +106,8 @@ class IdempotencyMiddleware:
         self._rules = rules
         self._scope: ScopeFunc = scope if scope is not None else CallerScope()
         self.ttl = float(ttl)
+        # Response header names this middleware's handlers sent, as checked (capture.head).
+        self._names: dict[bytes, bytes] = {}
         self.wait_timeout = float(wait_timeout)
         self.max_body = max_body
         self.max_stored = max_stored

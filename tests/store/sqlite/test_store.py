@@ -380,15 +380,17 @@ def test_stored_headers_are_exactly_their_json(headers: tuple[tuple[bytes, bytes
 
     from porch.store.sqlite.saves import headers_json
 
-    stored = headers_json(headers)
+    recent: dict[tuple[tuple[bytes, bytes], ...], str] = {}
+    stored = headers_json(headers, recent)
+    assert stored == headers_json(headers)  # the same without a recent-heads dict
     assert stored == json.dumps([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers])
     assert [(k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(stored)] == list(
         headers
     )
     # Again, from the recent heads (an equal head, not the same object), and a bytearray
     # value (no dict key) encoded the same.
-    assert headers_json(tuple((bytes(k), bytes(v)) for k, v in headers)) == stored
-    assert headers_json(tuple((k, bytearray(v)) for k, v in headers)) == stored  # type: ignore[misc]
+    assert headers_json(tuple((bytes(k), bytes(v)) for k, v in headers), recent) == stored
+    assert headers_json(tuple((k, bytearray(v)) for k, v in headers), recent) == stored  # type: ignore[misc]
 
 
 def test_recent_heads_stay_bounded_and_exact() -> None:
@@ -396,12 +398,13 @@ def test_recent_heads_stay_bounded_and_exact() -> None:
 
     from porch.store.sqlite import saves
 
-    for i in range(3 * saves._HEADS_MAX):
+    recent: saves.Heads = {}
+    for i in range(3 * saves.HEADS_MAX):
         head = ((b"location", f"/orders/{i}".encode()), (b"content-type", b"text/plain"))
         expected = json.dumps([["location", f"/orders/{i}"], ["content-type", "text/plain"]])
-        assert saves.headers_json(head) == expected
-        assert saves.headers_json(head) == expected  # as kept
-        assert len(saves._HEADS) <= saves._HEADS_MAX
+        assert saves.headers_json(head, recent) == expected
+        assert saves.headers_json(head, recent) == expected  # as kept
+        assert len(recent) <= saves.HEADS_MAX
 
 
 def pruning_steps(path: Path, live: int, batch: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
-from .saves import Bodies, apply_writes, chunks
+from .saves import Bodies, Heads, apply_writes, chunks
 
 __all__ = ["apply_batch", "prune_expired", "split_key"]
 
@@ -61,11 +61,13 @@ def apply_batch(
     claims: SQLiteClaims,
     names: dict[str, int] | None = None,
     bodies: Bodies | None = None,
+    heads: Heads | None = None,
 ) -> None:
     """Apply ``ops`` with the clock read once for the whole transaction.
 
     ``names``: counter-name ids this connection already read (see _name_ids).
     ``bodies``: the side file of big bodies (None: every body is in the row).
+    ``heads``: the stored forms of recent response heads (see headers_json).
     """
     if len(ops) == 1:
         op = ops[0]
@@ -97,12 +99,12 @@ def apply_batch(
             if type(op) is Claim or type(op) is Lookup:
                 _apply_reads(conn, [op], now, claims, bodies)
             elif type(op) is Save or type(op) is Release:
-                apply_writes(conn, [op], now, wall, claims, bodies)
+                apply_writes(conn, [op], now, wall, claims, bodies, heads)
     else:
         if reads:
             _apply_reads(conn, reads, now, claims, bodies)
         if writes:
-            apply_writes(conn, writes, now, wall, claims, bodies)
+            apply_writes(conn, writes, now, wall, claims, bodies, heads)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))

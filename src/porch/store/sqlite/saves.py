@@ -14,7 +14,9 @@ from .claims import SQLiteClaims
 
 __all__ = [
     "BLOB_ABOVE",
+    "HEADS_MAX",
     "Bodies",
+    "Heads",
     "apply_writes",
     "chunks",
     "has_blob",
@@ -66,26 +68,31 @@ def chunks(keys: list[str]) -> Iterator[list[str]]:
 _JSON_PLAIN = re.compile(rb"[ !#-\[\]-~]*")
 
 
-# The stored form of recent heads: an endpoint sends the same few (its content type), whose
-# form is then one dict lookup, not ~1 us of encoding per save. Emptied when full, so heads
-# that never repeat (a Location per resource) cannot keep the common ones out for long.
-_HEADS: dict[tuple[tuple[bytes, bytes], ...], str] = {}
-_HEADS_MAX = 256
+# Bound of a recent-heads dict (see headers_json).
+HEADS_MAX = 256
+Heads = dict[tuple[tuple[bytes, bytes], ...], str]
 
 
-def headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
+def headers_json(headers: tuple[tuple[bytes, bytes], ...], recent: Heads | None = None) -> str:
     """The stored form of a response's headers: exactly ``json.dumps`` of the latin-1
     pairs, written directly when every byte is plain (the usual head), which costs a
-    fraction of the encoder's setup per call."""
+    fraction of the encoder's setup per call.
+
+    ``recent`` (the writer's) keeps the forms of recent heads: an endpoint sends the same
+    few (its content type), whose form is then one dict lookup, not ~1 us of encoding
+    per save. Emptied when full, so heads that never repeat (a Location per resource)
+    cannot keep the common ones out for long."""
+    if recent is None:
+        return _headers_json(headers)
     try:
-        return _HEADS[headers]
+        return recent[headers]
     except KeyError:
         pass
     except TypeError:  # no dict key (a bytearray value): encoded, not kept
         return _headers_json(headers)
-    stored = _HEADS[headers] = _headers_json(headers)
-    if len(_HEADS) > _HEADS_MAX:
-        _HEADS.clear()
+    stored = recent[headers] = _headers_json(headers)
+    if len(recent) > HEADS_MAX:
+        recent.clear()
     return stored
 
 
@@ -164,6 +171,7 @@ def apply_writes(
     wall: float,
     claims: SQLiteClaims,
     bodies: Bodies | None,
+    heads: Heads | None = None,
 ) -> None:
     usage: _Usage | None = None
     placed = {} if bodies is None else bodies.placed
@@ -178,7 +186,7 @@ def apply_writes(
             op.outcome = "fenced"  # a newer claim exists: never overwrite its response
             continue
         response = op.response
-        headers = headers_json(response.headers)
+        headers = headers_json(response.headers, heads)
         size = stored_size(op.key, response, headers)
         if op.quota is not None:
             if usage is None:

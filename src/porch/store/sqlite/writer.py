@@ -28,7 +28,7 @@ from ...eventlog import EventLog
 from ..base import Durability, Release, Save, StoreOp
 from .claims import SQLiteClaims
 from .ops import apply_batch
-from .saves import Bodies, has_blob
+from .saves import Bodies, Heads, has_blob
 from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
 from .upkeep import (
     FREE_PAGES,
@@ -83,6 +83,7 @@ class SQLiteWriter:
     _conn: sqlite3.Connection | None
     _checkpoints: Checkpoints | None
     _names: dict[str, int]
+    _heads: Heads
     _inline_busy: bool
     _transactions: int
     _operations: int
@@ -140,6 +141,7 @@ class SQLiteWriter:
         checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
         self._checkpoints = checkpoints
         self._names = {}
+        self._heads = {}  # response heads' stored forms (saves.headers_json)
         self._conn = conn
         call_soon(loop, settle, ready, None)
         try:
@@ -294,7 +296,17 @@ class SQLiteWriter:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            apply_batch(conn, ops, now, wall, self.prune_batch, claims, self._names, self._bodies)
+            apply_batch(
+                conn,
+                ops,
+                now,
+                wall,
+                self.prune_batch,
+                claims,
+                self._names,
+                self._bodies,
+                self._heads,
+            )
             if self._transactions % _FREELIST_EVERY == 0:
                 # A busy store is never idle: give back a little at a time. Looked at
                 # on every few transactions only: it is one more statement each time.
