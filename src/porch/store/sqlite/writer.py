@@ -296,17 +296,8 @@ class SQLiteWriter:
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
-            apply_batch(
-                conn,
-                ops,
-                now,
-                wall,
-                self.prune_batch,
-                claims,
-                self._names,
-                self._bodies,
-                self._heads,
-            )
+            names, bodies, heads = self._names, self._bodies, self._heads
+            apply_batch(conn, ops, now, wall, self.prune_batch, claims, names, bodies, heads)
             if self._transactions % _FREELIST_EVERY == 0:
                 # A busy store is never idle: give back a little at a time. Looked at
                 # on every few transactions only: it is one more statement each time.
