@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from .errors import ConfigurationError
 from .refusals import Remembered
 from .rules import Limit, Rule
 from .store.base import Hit
@@ -20,6 +21,7 @@ __all__ = [
     "HeaderStyle",
     "PolicyState",
     "Refusal",
+    "check_header_style",
     "decide",
     "remembered_hit",
 ]
@@ -31,6 +33,12 @@ _ceil = math.ceil  # a global, not an attribute load per call on the hot path
 # A refusal carries ``Retry-After`` whatever the style: it is HTTP's own.
 HeaderStyle = Literal["both", "ietf", "x-ratelimit", "none"]
 HEADER_STYLES: tuple[HeaderStyle, ...] = get_args(HeaderStyle)
+
+
+def check_header_style(headers: object) -> None:
+    """Raise ConfigurationError unless ``headers`` is one of HEADER_STYLES."""
+    if headers not in HEADER_STYLES:
+        raise ConfigurationError(f"headers must be one of {HEADER_STYLES}, got {headers!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,15 @@ from collections.abc import Callable, Iterable, Sequence
 from ._asgi import adding_headers, pass_through, websocket_denial
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
-from .decisions import HEADER_STYLES, HeaderStyle, PolicyState, Refusal, decide, remembered_hit
 from .decisions import CompiledRule as _CompiledRule
+from .decisions import (
+    HeaderStyle,
+    PolicyState,
+    Refusal,
+    check_header_style,
+    decide,
+    remembered_hit,
+)
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -128,8 +135,7 @@ class RateLimitMiddleware:
             raise ConfigurationError(
                 f"refusal_memory_entries must be >= 1, got {refusal_memory_entries}"
             )
-        if headers not in HEADER_STYLES:
-            raise ConfigurationError(f"headers must be one of {HEADER_STYLES}, got {headers!r}")
+        check_header_style(headers)
         names = [r.name for r in rules if not r.shared]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"rule names must be unique, got {names}")

@@ -26,7 +26,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
 from . import errors
-from .decisions import HEADER_STYLES, HeaderStyle, Refusal
+from .decisions import HeaderStyle, Refusal, check_header_style
 from .errors import ConfigurationError, StoreError
 from .idempotency import DEFAULT_QUOTA
 from .idempotency_keys import ScopeFunc
@@ -175,8 +175,7 @@ def install(
     """
     if not isinstance(pool, KeyPool):
         raise ConfigurationError("pool must be a porch KeyPool")
-    if headers not in HEADER_STYLES:
-        raise ConfigurationError(f"headers must be one of {HEADER_STYLES}, got {headers!r}")
+    check_header_style(headers)
     routes = getattr(app, "routes", None)
     if routes is None:
         raise ConfigurationError(f"install() needs a Starlette or FastAPI app, got {app!r}")
