@@ -69,7 +69,6 @@ class CompiledRule:
     __slots__ = (
         "amounts",
         "counters",
-        "ietf",
         "limit_bytes",
         "limit_header",
         "limits",
@@ -81,14 +80,11 @@ class CompiledRule:
         "status_prefixes",
         "style",
         "windows",
-        "x",
     )
 
     def __init__(self, rule: Rule, headers: HeaderStyle = "both") -> None:
         self.rule = rule
         self.style: HeaderStyle = headers
-        self.ietf = headers in ("both", "ietf")
-        self.x = headers in ("both", "x-ratelimit")
         # (allowed, refused) metric counters, bound once when metrics are configured.
         self.counters: tuple[Any, Any] | None = None
         self.limits: tuple[Limit, ...] = rule.limits
@@ -170,13 +166,13 @@ def decide(
             compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
         )
     headers: list[tuple[bytes, bytes]] = []
-    if compiled.x:
+    if compiled.style in ("both", "x-ratelimit"):
         headers += [
             (b"x-ratelimit-limit", compiled.limit_bytes[i]),
             (b"x-ratelimit-remaining", b"%d" % remaining[i]),
             (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
         ]
-    if compiled.ietf:
+    if compiled.style in ("both", "ietf"):
         headers += [compiled.policy_pair, (b"ratelimit", status)]
     if hit.allowed:
         return headers, None

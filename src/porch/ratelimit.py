@@ -17,14 +17,7 @@ from ._asgi import adding_headers, pass_through, websocket_denial
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
 from .decisions import CompiledRule as _CompiledRule
-from .decisions import (
-    HeaderStyle,
-    PolicyState,
-    Refusal,
-    check_header_style,
-    decide,
-    remembered_hit,
-)
+from .decisions import HeaderStyle, PolicyState, Refusal, check_header_style, decide, remembered_hit
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
