@@ -35,4 +35,8 @@ ruff format --check src tests benchmarks examples
 echo "== mypy --strict" >&2
 mypy
 echo "== pytest" >&2
-exec python -m pytest "$@"
+python -m pytest "$@"
+# The whole suite (no selection given): the integrations on the oldest supported frameworks too.
+if [ $# -eq 0 ] || [ "$*" = "-q" ]; then
+    ./scripts/oldest.sh -q
+fi

@@ -796,3 +796,20 @@ async def test_two_pools_sharing_one_store_object_run_a_key_once(
     assert handler.calls == 1
     assert {r.status_code for r in responses} == {201}
     assert {r.content for r in responses} == {b"call 1"}
+
+
+async def test_rules_match_the_path_inside_a_mount(pool: KeyPool, handler: Handler) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    sub = IdempotencyMiddleware(handler, pool=pool, rules=IdempotencyRule("/o", methods=["POST"]))
+    app = Starlette(routes=[Mount("/v1", app=sub)])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://t", cookies=no_cookies()
+    ) as c:
+        first = await c.post("/v1/o", content=b"tea", headers=keyed())
+        again = await c.post("/v1/o", content=b"tea", headers=keyed())
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert handler.calls == 1

@@ -410,3 +410,36 @@ async def test_an_unreadable_store_is_503_not_a_dead_server(
             assert (await c.get("/")).status_code == 200
     finally:
         await pool.close()
+
+
+async def test_rules_and_exemptions_match_the_path_inside_a_mount(pool: KeyPool) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    sub = RateLimitMiddleware(
+        hello, pool=pool, rules=Rule(Limit(3, 60), path="/orders"), exempt=("/health",)
+    )
+    app = Starlette(routes=[Mount("/v1", app=sub)])
+    async with client(app) as c:
+        orders = [(await c.get("/v1/orders")).status_code for _ in range(4)]
+        health = [(await c.get("/v1/health")).status_code for _ in range(4)]
+        other = (await c.get("/v1/products")).headers
+    assert orders == [200, 200, 200, 429]
+    assert health == [200] * 4
+    assert "x-ratelimit-limit" not in other  # /orders only, as the sub-app sees paths
+
+
+@pytest.mark.parametrize(
+    ("path", "root_path", "expected"),
+    [
+        ("/v1/orders", "/v1", "/orders"),
+        ("/v1", "/v1", "/"),
+        ("/v10/orders", "/v1", "/v10/orders"),  # not below the mount: the whole path
+        ("/orders", "", "/orders"),
+        ("/orders", "/v1", "/orders"),  # a server that left the prefix out of path
+    ],
+)
+def test_route_path_is_path_less_root_path(path: str, root_path: str, expected: str) -> None:
+    from porch._asgi import route_path
+
+    assert route_path({"path": path, "root_path": root_path}) == expected

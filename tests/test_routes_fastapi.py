@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from porch import ConfigurationError, KeyPool, SQLiteStore
@@ -206,3 +206,111 @@ async def test_install_headers_choose_what_routes_send_and_the_schema_lists(
 async def test_install_refuses_an_unknown_header_style(pool: KeyPool) -> None:
     with pytest.raises(ConfigurationError, match="headers must be one of"):
         install(FastAPI(), pool, headers="X-RateLimit")  # type: ignore[arg-type]
+
+
+def orders_router() -> tuple[APIRouter, list[str]]:
+    """A router as most FastAPI apps are built: a router-level limit and a route-level one."""
+    calls: list[str] = []
+    router = APIRouter(prefix="/orders", dependencies=[Depends(RateLimit("2/minute"))])
+
+    @router.get("", dependencies=[Depends(RateLimit("2/minute"))])
+    async def orders() -> dict[str, str]:
+        calls.append("orders")
+        return {}
+
+    @router.get("/{order_id}")
+    @limit("1/minute")
+    async def one(order_id: int) -> dict[str, int]:  # takes no request
+        calls.append(f"one {order_id}")
+        return {"order": order_id}
+
+    @router.post("/{order_id}/cancel", status_code=202)
+    @idempotent()
+    async def cancel(order_id: int) -> dict[str, int]:
+        calls.append(f"cancel {order_id}")
+        return {"cancelled": order_id}
+
+    return router, calls
+
+
+async def test_routes_of_included_routers_are_installed(pool: KeyPool, tmp_path: Path) -> None:
+    app = FastAPI()
+    router, calls = orders_router()
+    outer = APIRouter(prefix="/v1")
+    outer.include_router(router)
+    app.include_router(outer, prefix="/api")
+    assert install(app, pool) == 3
+    async with client(app) as c:
+        listing = [(await c.get("/api/v1/orders")).status_code for _ in range(3)]
+        one = [(await c.get("/api/v1/orders/7")).status_code for _ in range(2)]
+        key = {"Idempotency-Key": "c1"}
+        cancels = [await c.post("/api/v1/orders/7/cancel", headers=key) for _ in range(2)]
+    assert listing == [200, 200, 429]
+    # The router's dependency applies to every route of it: "2/minute" and "1/minute".
+    assert one == [200, 429]
+    assert [r.status_code for r in cancels] == [202, 202]
+    assert cancels[1].headers["idempotent-replayed"] == "true"
+    assert calls == ["orders", "orders", "one 7", "cancel 7"]
+    prefix = "rl\x1froute:GET:/api/v1/orders"
+    # The same "2/minute" on the router and its route is one limit, counted once.
+    assert counters(tmp_path) == {
+        prefix + "\x1f2-per-60s\x1f" + PEER: 2,
+        prefix + "/{order_id}\x1f2-per-60s\x1f" + PEER: 1,
+        prefix + "/{order_id}\x1f1-per-60s\x1f" + PEER: 1,
+        # A replay is a request too: the limits sit outside idempotency.
+        "rl\x1froute:POST:/api/v1/orders/{order_id}/cancel\x1f2-per-60s\x1f" + PEER: 2,
+    }
+
+
+async def test_a_router_included_twice_counts_each_inclusion_apart(
+    pool: KeyPool,
+) -> None:
+    app = FastAPI()
+    router, _ = orders_router()
+    app.include_router(router, prefix="/v1")
+    app.include_router(router, prefix="/v2", dependencies=[Depends(RateLimit("1/minute"))])
+    assert install(app, pool) == 6
+    async with client(app) as c:
+        v1 = [(await c.get("/v1/orders")).status_code for _ in range(3)]
+        v2 = [(await c.get("/v2/orders")).status_code for _ in range(2)]
+        schema = (await c.get("/openapi.json")).json()
+    assert v1 == [200, 200, 429]
+    assert v2 == [200, 429]  # the include call's own limit, on that inclusion only
+    assert "429" in schema["paths"]["/v2/orders"]["get"]["responses"]
+    assert "429" in schema["paths"]["/v1/orders"]["get"]["responses"]
+
+
+async def test_a_mounted_fastapi_app_is_installed(pool: KeyPool) -> None:
+    app = FastAPI()
+    sub = FastAPI()
+    router, _ = orders_router()
+    sub.include_router(router)
+    app.mount("/shop", sub)
+    assert install(app, pool) == 3
+    async with client(app) as c:
+        statuses = [(await c.get("/shop/orders")).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]
+
+
+async def test_routes_added_after_install_are_installed_at_startup(pool: KeyPool) -> None:
+    app = FastAPI()
+    assert install(app, pool) == 0
+    router, _ = orders_router()
+    app.include_router(router)
+    async with app.router.lifespan_context(app), client(app) as c:
+        statuses = [(await c.get("/orders")).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]
+
+
+async def test_a_router_route_never_installed_answers_503_not_unlimited(
+    pool: KeyPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = FastAPI()
+    router, calls = orders_router()
+    app.include_router(router)
+    async with client(app) as c:
+        statuses = [(await c.get("/orders/1")).status_code for _ in range(3)]
+    assert statuses == [503, 503, 503]
+    assert calls == []
+    # Logged once, not once per request.
+    assert len([r for r in caplog.records if "never installed" in r.getMessage()]) == 1

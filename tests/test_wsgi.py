@@ -139,3 +139,34 @@ def test_off_switch_and_configuration(tmp_path: Path) -> None:
     assert off.app is app
     with pytest.raises(ConfigurationError, match="pool must be a porch KeyPool"):
         WSGIMiddleware(app, pool=object(), wrap=lambda inner: inner)  # type: ignore[arg-type]
+
+
+def test_rules_match_the_path_below_script_name(tmp_path: Path) -> None:
+    """A WSGI app mounted at SCRIPT_NAME sees PATH_INFO: rules match that, as routes do."""
+    app = App()
+    pool = KeyPool(SQLiteStore(tmp_path), size=2)
+    guarded = WSGIMiddleware(
+        app,
+        pool=pool,
+        wrap=lambda inner: RateLimitMiddleware(
+            inner, pool=pool, rules=Rule(Limit(2, 60), path="/limited")
+        ),
+    )
+
+    def mounted(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        environ["SCRIPT_NAME"] = "/shop"
+        environ["PATH_INFO"] = environ["PATH_INFO"].removeprefix("/shop")
+        return guarded(environ, start_response)
+
+    server: WSGIServer = make_server("127.0.0.1", 0, mounted, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/shop"
+        statuses = [httpx.get(base + "/limited", timeout=30).status_code for _ in range(3)]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+        guarded.close()
+    assert statuses == [201, 201, 429]

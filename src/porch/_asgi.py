@@ -12,6 +12,24 @@ from .pool import KeyPool
 logger = logging.getLogger("porch")
 
 
+def route_path(scope: Scope) -> str:
+    """The path an app routes on: ``path`` less the ``root_path`` it is mounted at.
+
+    ASGI keeps the whole path in ``path`` and a mount's prefix (Starlette's ``Mount``, a
+    server's ``--root-path``, WSGI's ``SCRIPT_NAME``) in ``root_path``, so rules match what
+    the app's own routes match, wherever the app is mounted (Starlette's get_route_path).
+    """
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        rest = path[len(root) :]
+        if not rest:
+            return "/"
+        if rest[0] == "/":
+            return rest
+    return path
+
+
 def adding_headers(send: Send, headers: Iterable[tuple[bytes, bytes]]) -> Send:
     """Wrap ``send`` to append ``headers`` at ``http.response.start``."""
 

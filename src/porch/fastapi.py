@@ -17,12 +17,14 @@ than let the request through unlimited. The decorators of
 :mod:`porch.starlette` work on FastAPI endpoints too.
 """
 
-from __future__ import annotations
+# No "from __future__ import annotations": FastAPI reads the dependencies' signatures at
+# run time, and before 0.11x it could not resolve string annotations on a callable instance.
 
 import logging
 from typing import Annotated, Any
 
-from .routes import INSTALLED, RouteIdempotency, RouteLimit
+from .clock import SystemClock
+from .routes import GUARDS, RouteIdempotency, RouteLimit
 from .starlette import RateLimitExceeded, idempotent, install, limit
 
 try:
@@ -35,15 +37,22 @@ __all__ = ["Idempotency", "RateLimit", "RateLimitExceeded", "idempotent", "insta
 logger = logging.getLogger("porch.routes")
 
 
-def _check(declaration: object, request: Request) -> None:
-    if id(declaration) not in request.scope.get(INSTALLED, ()):
-        logger.error(
-            "porch: route %s declares %s but was never installed; call"
-            " porch.fastapi.install(app, pool) after adding the routes (answering 503)",
-            request.url.path,
-            type(declaration).__name__,
-        )
-        raise HTTPException(503, "this route's limits are not installed")
+def _check(declaration: RouteLimit | RouteIdempotency, request: Request) -> None:
+    if id(declaration) in GUARDS.get():
+        return
+    declaration.log.event(
+        logging.ERROR,
+        request.url.path,
+        SystemClock().monotonic(),
+        60.0,
+        "porch: route %s declares %s but was never installed; call"
+        " porch.fastapi.install(app, pool) after adding the routes (answering 503)",
+        request.url.path,
+        type(declaration).__name__,
+        outcome="not installed",
+        status=503,
+    )
+    raise HTTPException(503, "this route's limits are not installed")
 
 
 class RateLimit(RouteLimit):
@@ -64,7 +73,7 @@ class Idempotency(RouteIdempotency):
     __slots__ = ()
     documents_header = True
 
-    def __new__(cls, **settings: Any) -> Idempotency:
+    def __new__(cls, **settings: Any) -> "Idempotency":
         # The schema is read from __call__'s signature: a required key needs its own.
         chosen = _RequiredIdempotency if settings.get("required") else cls
         return super().__new__(chosen)

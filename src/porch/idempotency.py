@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._asgi import pass_through
+from ._asgi import pass_through, route_path
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .capture import Capture
 from .errors import (
@@ -122,7 +122,7 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        rule = select(self._rules, normalize_method(scope["method"]), scope["path"])
+        rule = select(self._rules, normalize_method(scope["method"]), route_path(scope))
         if rule is None:
             await self.app(scope, receive, send)
             return

@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ._asgi import adding_headers, pass_through, websocket_denial
+from ._asgi import adding_headers, pass_through, route_path, websocket_denial
 from ._types import ASGIApp, Receive, Scope, Send
 from .clock import Clock, SystemClock
 from .decisions import CompiledRule as _CompiledRule
@@ -179,9 +179,9 @@ class RateLimitMiddleware:
             else None
         )
 
-    def _select(self, scope: Scope) -> _CompiledRule | None:
-        """The first rule selecting a request (its path not exempt: __call__ checked), or None."""
-        path: str = scope["path"]
+    def _select(self, scope: Scope, path: str) -> _CompiledRule | None:
+        """The first rule selecting a request at ``path`` (the route path; not exempt:
+        __call__ checked), or None."""
         if scope["type"] == "websocket":
             # A handshake is a GET, selected only by rules that opted in.
             for compiled in self._rules:
@@ -202,14 +202,16 @@ class RateLimitMiddleware:
         if kind != "http" and not (kind == "websocket" and self._websocket):
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        # Exempt paths first, inline: once per request, so no method call.
+        # Exempt paths first: once per request, so route_path inline when nothing is mounted.
         path: str = scope["path"]
+        if scope.get("root_path"):
+            path = route_path(scope)
         if path in self._exact or (self._prefixes and path.startswith(self._prefixes)):
             await self.app(scope, receive, send)
             return
         compiled = self._everything if kind == "http" else None
         if compiled is None:
-            compiled = self._select(scope)
+            compiled = self._select(scope, path)
             if compiled is None:
                 await self.app(scope, receive, send)
                 return

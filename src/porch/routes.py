@@ -10,12 +10,15 @@ route are counted: a 404, a 405 or a trailing-slash redirect never is.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from contextvars import ContextVar
 from typing import Any
 
 from ._types import ASGIApp, Receive, Scope, Send
 from .decisions import HeaderStyle
 from .errors import ConfigurationError, RateLimitExceeded
+from .eventlog import EventLog
 from .idempotency import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
 from .idempotency_keys import ScopeFunc
 from .identity import KeyFunc
@@ -24,10 +27,14 @@ from .ratelimit import RateLimitMiddleware, Refusal, RefusalFactory, default_ref
 from .rules import Limit, Rule, normalize_method
 from .store.base import Quota
 
-__all__ = ["INSTALLED", "RouteIdempotency", "RouteLimit", "guard"]
+_logger = logging.getLogger("porch.routes")
 
-# The scope entry a guarded route carries: the ids of the declarations it applied.
-INSTALLED = "porch.route"
+__all__ = ["GUARDS", "RouteIdempotency", "RouteLimit", "guard"]
+
+# The ids of the declarations whose guard the running request passed through. The endpoint
+# and dependency checks read it (a context variable: an endpoint need not take the request,
+# and a sync one runs in a thread that copies the context).
+GUARDS: ContextVar[frozenset[int]] = ContextVar("porch_guards", default=frozenset())
 _UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -36,7 +43,7 @@ class RouteLimit:
     Limits), the client ``key`` (default: the installer's, else the peer host), and the counters'
     ``name`` (default: derived from the route's methods and path template)."""
 
-    __slots__ = ("dry_run", "fail_open", "key", "limits", "name", "shared")
+    __slots__ = ("dry_run", "fail_open", "key", "limits", "log", "name", "shared")
 
     def __init__(
         self,
@@ -60,13 +67,15 @@ class RouteLimit:
         self.shared = bool(shared)
         self.dry_run = bool(dry_run)
         self.fail_open = bool(fail_open)
+        # "Never installed" is logged through it, throttled (once a minute per path).
+        self.log = EventLog(_logger)
 
 
 class RouteIdempotency:
     """``Idempotency-Key`` honoured on a route (for its unsafe methods, or ``methods``);
     the settings are :class:`~porch.IdempotencyMiddleware`'s."""
 
-    __slots__ = ("methods", "required", "rule", "settings")
+    __slots__ = ("log", "methods", "required", "rule", "settings")
 
     def __init__(
         self,
@@ -95,6 +104,7 @@ class RouteIdempotency:
             "max_stored": max_stored,
             "quota": quota,
         }
+        self.log = EventLog(_logger)
 
 
 def raising_refusal(exception: type[RateLimitExceeded]) -> RefusalFactory:
@@ -156,7 +166,7 @@ class _RouteRule(Rule):
 
 
 class _Mark:
-    """Records in the scope which declarations guard this request (dependencies check it)."""
+    """Records which declarations guard this request (GUARDS: the endpoint checks it)."""
 
     __slots__ = ("app", "ids")
 
@@ -165,8 +175,11 @@ class _Mark:
         self.ids = ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[INSTALLED] = scope.get(INSTALLED, frozenset()) | self.ids
-        await self.app(scope, receive, send)
+        token = GUARDS.set(GUARDS.get() | self.ids)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            GUARDS.reset(token)
 
 
 def guard(
@@ -225,7 +238,8 @@ def guard(
         if first.name is None:
             derived = f"route:{route}" + (f"#{len(groups) - i}" if len(groups) > 1 else "")
         rule = _RouteRule(
-            tuple(limit for member in members for limit in member.limits),
+            # The same limit declared twice (on a router and on its route) is counted once.
+            tuple(dict.fromkeys(limit for member in members for limit in member.limits)),
             route=route,
             derived=derived,
             name=first.name,

@@ -18,28 +18,32 @@ otherwise answered exactly as :class:`~porch.RateLimitMiddleware` answers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
 from . import errors
+from .clock import SystemClock
 from .decisions import HeaderStyle, Refusal, check_header_style
 from .errors import ConfigurationError, StoreError
+from .eventlog import EventLog
 from .idempotency import DEFAULT_QUOTA
 from .idempotency_keys import ScopeFunc
 from .identity import KeyFunc
 from .pool import KeyPool
+from .ratelimit import RefusalFactory
 from .responses import problem
-from .routes import INSTALLED, RouteIdempotency, RouteLimit, guard, raising_refusal
+from .routes import GUARDS, RouteIdempotency, RouteLimit, guard, raising_refusal
 from .rules import Limit
 from .store.base import Quota
 
 try:
     from starlette.exceptions import HTTPException
-    from starlette.routing import BaseRoute, Host, Mount, Route, WebSocketRoute
+    from starlette.routing import Host, Mount, Route, WebSocketRoute
 except ImportError as exc:  # pragma: no cover - exercised without starlette installed
     raise ImportError("porch.starlette needs Starlette: pip install 'porch[starlette]'") from exc
 
@@ -49,6 +53,8 @@ logger = logging.getLogger("porch.routes")
 
 E = TypeVar("E", bound=Callable[..., Any])
 _DECLARED = "__porch_route__"
+# Set on what install() guarded (a route, or FastAPI's context of an included one).
+_GUARDED = "_porch_installed"
 
 
 class RateLimitExceeded(errors.RateLimitExceeded, HTTPException):
@@ -118,38 +124,64 @@ def idempotent(
 def _declare(declaration: RouteLimit | RouteIdempotency, endpoint: E) -> E:
     declared = getattr(endpoint, _DECLARED, None)
     if declared is None:
-        endpoint = _checked(endpoint)
         declared = []
+        endpoint = _checked(endpoint, declared)
         setattr(endpoint, _DECLARED, declared)
     declared.append(declaration)
     return endpoint
 
 
-def _checked(endpoint: E) -> E:
-    """A coroutine endpoint that refuses (503, logged) when its route was never installed: a
-    declared limit that silently does not apply would be worse than none."""
-    if not inspect.iscoroutinefunction(endpoint):
+def _checked(endpoint: E, declared: list[RouteLimit | RouteIdempotency]) -> E:
+    """An endpoint function that refuses (503, logged) when its route was never installed: a
+    declared limit that silently does not apply would be worse than none. (An endpoint class
+    is returned as it is: install() finds its declarations all the same.)"""
+    if not inspect.isfunction(endpoint):
         return endpoint
+    log = EventLog(logger)
+    clock = SystemClock()
 
-    @functools.wraps(endpoint)
-    async def checked(*args: Any, **kwargs: Any) -> Any:
-        for arg in (*args, *kwargs.values()):
-            scope = getattr(arg, "scope", None)
-            if isinstance(scope, Mapping) and "type" in scope:
-                if INSTALLED not in scope:
-                    return _not_installed(endpoint)
-                break
-        return await endpoint(*args, **kwargs)
+    def guarded() -> bool:
+        if not GUARDS.get().isdisjoint(map(id, declared)):
+            return True
+        log.event(
+            logging.ERROR,
+            "not installed",
+            clock.monotonic(),
+            60.0,
+            "porch: %r declares limits or idempotency but its route was never installed;"
+            " call porch.starlette.install(app, pool) after adding the routes (answering 503)",
+            endpoint.__qualname__,
+            outcome="not installed",
+            status=503,
+        )
+        return False
 
-    return cast(E, checked)
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def checked(*args: Any, **kwargs: Any) -> Any:
+            if not guarded():
+                return _not_installed()
+            return await endpoint(*args, **kwargs)
+
+        wrapper: Callable[..., Any] = checked
+    else:
+
+        @functools.wraps(endpoint)
+        def checked_sync(*args: Any, **kwargs: Any) -> Any:
+            if not guarded():
+                return _not_installed()
+            return endpoint(*args, **kwargs)
+
+        wrapper = checked_sync
+    with contextlib.suppress(NameError):
+        # The endpoint's parameters with their annotations resolved in its own module:
+        # FastAPI before 0.11x resolves string annotations in the wrapper's (this one).
+        wrapper.__signature__ = inspect.signature(endpoint, eval_str=True)  # type: ignore[attr-defined]
+    return cast(E, wrapper)
 
 
-def _not_installed(endpoint: object) -> Any:
-    logger.error(
-        "porch: %r declares limits or idempotency but its route was never installed;"
-        " call porch.starlette.install(app, pool) after adding the routes (answering 503)",
-        getattr(endpoint, "__qualname__", endpoint),
-    )
+def _not_installed() -> Any:
     from starlette.responses import Response
 
     response = problem(503, "this route's limits are not installed", cause="configuration")
@@ -164,14 +196,16 @@ def install(
     headers: HeaderStyle = "both",
     manage_pool: bool = True,
 ) -> int:
-    """Guard every route of ``app`` (Starlette or FastAPI, mounts and hosts included) that
-    declares limits or idempotency; returns how many. Call it once the routes are added.
+    """Guard every route of ``app`` (Starlette or FastAPI: included routers, mounts, hosts and
+    mounted apps too) that declares limits or idempotency; returns how many. Call it once the
+    routes are added.
 
     Every counter namespace is claimed on ``pool`` here, so a name clash is a
     ConfigurationError now, not at the first request. ``key`` is the default client
     key of route limits (default: the peer host), ``headers`` the rate-limit fields their
-    responses carry (see :class:`~porch.RateLimitMiddleware`). ``manage_pool`` opens the pool at
-    startup and closes it at shutdown through the app's lifespan.
+    responses carry (see :class:`~porch.RateLimitMiddleware`). At startup (the app's
+    lifespan) the routes are walked again, so routes added after this call are guarded
+    too; ``manage_pool`` also opens the pool then and closes it at shutdown.
     """
     if not isinstance(pool, KeyPool):
         raise ConfigurationError("pool must be a porch KeyPool")
@@ -180,49 +214,84 @@ def install(
     if routes is None:
         raise ConfigurationError(f"install() needs a Starlette or FastAPI app, got {app!r}")
     on_refused = raising_refusal(RateLimitExceeded)
-    guarded = 0
-    for route, path in _walk(routes, ""):
-        if getattr(route, "_porch_installed", False):
-            guarded += 1
-            continue
-        declared = _declarations(route)
-        if not declared:
-            continue
-        limits = [d for d in declared if isinstance(d, RouteLimit)]
-        idempotency = [d for d in declared if isinstance(d, RouteIdempotency)]
-        websocket = isinstance(route, WebSocketRoute)
-        methods = None if websocket else getattr(route, "methods", None)
-        route.app = guard(
-            route.app,
-            pool=pool,
-            path=path,
-            methods=methods,
-            websocket=websocket,
-            limits=limits,
-            idempotency=idempotency,
-            key=key,
-            on_refused=on_refused,
-            headers=headers,
+
+    def guard_all() -> int:
+        guarded = 0
+        for route, path in _walk(app.routes, ""):
+            if _guard(route, path, pool, key, headers, on_refused):
+                guarded += 1
+        if guarded and hasattr(app, "openapi_schema"):
+            app.openapi_schema = None  # FastAPI caches its schema: rebuild with the additions
+        return guarded
+
+    guarded = guard_all()
+    router = getattr(app, "router", None)
+    if router is not None and hasattr(router, "lifespan_context"):
+        router.lifespan_context = _at_startup(
+            router.lifespan_context, guard_all, pool if manage_pool else None
         )
-        route._porch_installed = True
-        _document(route, limits, idempotency, headers)
-        guarded += 1
-    if guarded and hasattr(app, "openapi_schema"):
-        app.openapi_schema = None  # FastAPI caches its schema: rebuild with the additions
-    if manage_pool and guarded:
-        router = getattr(app, "router", None)
-        if router is not None and hasattr(router, "lifespan_context"):
-            router.lifespan_context = _with_pool(router.lifespan_context, pool)
     return guarded
 
 
-def _walk(routes: Iterable[BaseRoute], prefix: str) -> Iterable[tuple[Any, str]]:
+def _guard(
+    route: Any,
+    path: str,
+    pool: KeyPool,
+    key: KeyFunc | None,
+    headers: HeaderStyle,
+    on_refused: RefusalFactory,
+) -> bool:
+    """Wrap ``route.app`` in porch's guard if it declares anything; whether it is guarded."""
+    if getattr(route, _GUARDED, False):
+        return True
+    declared = _declarations(route)
+    if not declared:
+        return False
+    limits = [d for d in declared if isinstance(d, RouteLimit)]
+    idempotency = [d for d in declared if isinstance(d, RouteIdempotency)]
+    websocket = isinstance(route, WebSocketRoute)
+    route.app = guard(
+        route.app,
+        pool=pool,
+        path=path,
+        methods=None if websocket else getattr(route, "methods", None),
+        websocket=websocket,
+        limits=limits,
+        idempotency=idempotency,
+        key=key,
+        on_refused=on_refused,
+        headers=headers,
+    )
+    setattr(route, _GUARDED, True)
+    _document(route, limits, idempotency, headers)
+    return True
+
+
+def _walk(routes: Iterable[Any], prefix: str) -> Iterable[tuple[Any, str]]:
+    """Every route that runs an endpoint, with its full path template: inside mounts, hosts
+    and mounted apps, and inside FastAPI's included routers.
+
+    What is yielded has the ``app`` the router calls for that route: the route itself, or,
+    for a route of a router FastAPI includes lazily (0.13x and newer), FastAPI's context for
+    that inclusion (its own app, full path and dependencies: the router's and the
+    ``include_router`` call's too). Older FastAPI copies included routes into the app.
+    """
     for route in routes:
         if isinstance(route, Mount | Host):
-            inner = route.routes
-            yield from _walk(inner, prefix + (route.path if isinstance(route, Mount) else ""))
+            inner = prefix + route.path if isinstance(route, Mount) else prefix
+            yield from _walk(route.routes, inner)
         elif isinstance(route, Route | WebSocketRoute):
             yield route, prefix + route.path
+        else:
+            contexts = getattr(route, "effective_route_contexts", None)
+            if contexts is None:
+                continue
+            for context in contexts():
+                inner = context.starlette_route
+                if inner is None:  # an APIRoute: its context holds this inclusion's app
+                    yield context, prefix + context.path
+                else:  # a plain route, mount or host, copied for this inclusion
+                    yield from _walk([inner], prefix)
 
 
 def _declarations(route: Any) -> list[RouteLimit | RouteIdempotency]:
@@ -256,12 +325,21 @@ def _document(
     document(route, responses, limits, idempotency, headers)
 
 
-def _with_pool(
-    lifespan: Callable[[Any], AbstractAsyncContextManager[Any]], pool: KeyPool
+def _at_startup(
+    lifespan: Callable[[Any], AbstractAsyncContextManager[Any]],
+    guard_all: Callable[[], int],
+    pool: KeyPool | None,
 ) -> Callable[[Any], AbstractAsyncContextManager[Any]]:
+    """The app's lifespan, which first guards routes added since install() and, given the
+    pool, opens it at startup and closes it at shutdown."""
+
     @asynccontextmanager
-    async def with_pool(app: Any) -> AsyncIterator[Any]:
+    async def with_porch(app: Any) -> AsyncIterator[Any]:
+        guard_all()
         async with lifespan(app) as state:
+            if pool is None:
+                yield state
+                return
             try:
                 await pool.start()
             except (StoreError, OSError) as exc:
@@ -272,4 +350,4 @@ def _with_pool(
             finally:
                 await pool.close()
 
-    return with_pool
+    return with_porch

@@ -49,7 +49,7 @@ def scope_of(environ: dict[str, Any]) -> Scope:
         "scheme": environ.get("wsgi.url_scheme", "http"),
         "path": (script + path).encode("latin-1").decode("utf-8", "replace"),
         "raw_path": raw,
-        "root_path": "",
+        "root_path": script.encode("latin-1").decode("utf-8", "replace"),
         "query_string": str(environ.get("QUERY_STRING", "")).encode("latin-1"),
         "headers": headers,
         "client": client,
