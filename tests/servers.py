@@ -107,9 +107,13 @@ def _wait_port(port: int, timeout: float, alive: Any) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
-def _wait_redis_ready(port: int, timeout: float, alive: Any) -> None:
+def _wait_redis_ready(port: int, timeout: float, alive: Any, password: str | None = None) -> None:
     """Until PING answers +PONG: Redis accepts connections while it still loads its
     AOF/RDB, and answers every command with -LOADING until it is done."""
+    auth = b""
+    if password is not None:
+        secret = password.encode()
+        auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret)
     deadline = time.monotonic() + timeout
     last = b""
     while time.monotonic() < deadline:
@@ -117,9 +121,14 @@ def _wait_redis_ready(port: int, timeout: float, alive: Any) -> None:
             raise RuntimeError("the server exited while loading its data")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
             s.settimeout(1.0)
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            last = s.recv(1024)
-            if last.startswith(b"+PONG"):
+            s.sendall(auth + b"*1\r\n$4\r\nPING\r\n")
+            last = b""
+            while last.count(b"\r\n") < (2 if auth else 1):
+                chunk = s.recv(1024)
+                if not chunk:
+                    break
+                last += chunk
+            if last.startswith(b"+OK\r\n+PONG" if auth else b"+PONG"):
                 return
         time.sleep(0.05)
     raise RuntimeError(f"redis-server on 127.0.0.1:{port} not ready after {timeout} s: {last!r}")
@@ -272,9 +281,15 @@ class RedisServer:
     """
 
     def __init__(
-        self, binary: str, *, appendonly: bool = False, appendfsync: str = "everysec"
+        self,
+        binary: str,
+        *,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
+        password: str | None = None,
     ) -> None:
         self.binary = binary
+        self.password = password  # requirepass: clients must AUTH
         self.dir = Path(tempfile.mkdtemp(prefix="porch-redis-"))
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -302,6 +317,7 @@ class RedisServer:
             "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", str(self.dir / "server.log"),
+            *(["--requirepass", self.password] if self.password is not None else []),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -316,7 +332,9 @@ class RedisServer:
                 _wait_port(port, _START_TIMEOUT, lambda p=process: p.poll() is None)
                 # Listening is not ready: after a restart it answers -LOADING until
                 # its AOF is replayed, so wait for a real PONG.
-                _wait_redis_ready(port, _START_TIMEOUT, lambda p=process: p.poll() is None)
+                _wait_redis_ready(
+                    port, _START_TIMEOUT, lambda p=process: p.poll() is None, self.password
+                )
             except RuntimeError:
                 process.kill()
                 process.wait()
@@ -361,13 +379,13 @@ class RedisServer:
 
 @contextlib.contextmanager
 def running_redis(
-    *, appendonly: bool = False, appendfsync: str = "everysec"
+    *, appendonly: bool = False, appendfsync: str = "everysec", password: str | None = None
 ) -> Iterator[RedisServer]:
     """A redis-server of the caller's own (skips or fails when there is no binary)."""
     binary = shutil.which("redis-server")
     if binary is None:
         missing_backend("redis", "no redis-server binary on PATH")
-    server = RedisServer(binary, appendonly=appendonly, appendfsync=appendfsync)
+    server = RedisServer(binary, appendonly=appendonly, appendfsync=appendfsync, password=password)
     try:
         server.start()
         yield server

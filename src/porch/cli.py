@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import ConfigurationError
+from .store.urls import redact
 
 __all__ = ["main"]
 
@@ -129,7 +129,7 @@ def _demo(args: argparse.Namespace) -> int:
         Limit(config.limit, config.window)
         KeyPool(config.open_store(), size=config.pool_size, mailbox=config.mailbox)
     except (ConfigurationError, ValueError) as exc:
-        print(f"porch demo: {exc}", file=sys.stderr)
+        print(f"porch demo: {redact(str(exc))}", file=sys.stderr)
         return 2
     os.environ[CONFIG_ENV] = config.to_env()
     metrics_dir = None
@@ -143,7 +143,7 @@ def _demo(args: argparse.Namespace) -> int:
         where = f"data in {os.path.abspath(config.data_dir)}"
     print(
         f"porch demo serving on http://{config.host}:{config.port} "
-        f"({_redacted(where)}, limit {config.limit} per {config.window:g}s per client)",
+        f"({redact(where)}, limit {config.limit} per {config.window:g}s per client)",
         flush=True,
     )
     try:
@@ -181,11 +181,6 @@ def _remove_stale_metrics_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
         except OSError:  # alive (another user's), or unknowable: leave it
             pass
-
-
-def _redacted(text: str) -> str:
-    """``text`` with the password of any URL in it replaced (startup lines end up in logs)."""
-    return re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from .errors import ConfigurationError, StoreError
 from .store.admin import StoreAdmin, admin_for
+from .store.urls import redact
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -67,13 +68,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         admin = _admin(args)
     except ConfigurationError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{name}: {redact(str(exc))}", file=sys.stderr)
         return 2
     command: Callable[[StoreAdmin, argparse.Namespace], Awaitable[int]] = _COMMANDS[args.command]
     try:
         return asyncio.run(_closing(admin, command(admin, args)))
     except StoreError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{name}: {redact(str(exc))}", file=sys.stderr)
         return 2
 
 
@@ -91,7 +92,7 @@ async def _inspect(admin: StoreAdmin, args: argparse.Namespace) -> int:
     responses = await admin.responses(client=args.client, most=args.max)
     if args.json:
         document: dict[str, Any] = {
-            "store": admin.location,
+            "store": redact(admin.location),
             "counters": [
                 {
                     "client": c.client,
@@ -117,7 +118,7 @@ async def _inspect(admin: StoreAdmin, args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
-    print(f"store: {admin.location}")
+    print(f"store: {redact(admin.location)}")
     print(f"counters ({len(counters)}):")
     for c in counters:
         print(f"  {c.client}  rule={c.rule}/{c.limit}  count={c.count}  reset_in={c.reset_in:.0f}s")
@@ -148,11 +149,11 @@ async def _purge(admin: StoreAdmin, args: argparse.Namespace) -> int:
 async def _check(admin: StoreAdmin, args: argparse.Namespace) -> int:
     report = await admin.check()
     if report.healthy:
-        print(f"{report.location}: ok (schema version {report.schema_version})")
+        print(f"{redact(report.location)}: ok (schema version {report.schema_version})")
         return 0
-    print(f"{report.location}: NOT HEALTHY", file=sys.stderr)
+    print(f"{redact(report.location)}: NOT HEALTHY", file=sys.stderr)
     for problem in report.problems:
-        print(f"  {problem}", file=sys.stderr)
+        print(f"  {redact(problem)}", file=sys.stderr)
     return 1
 
 

@@ -23,6 +23,7 @@ from .base import (
     StoreStatistics,
 )
 from .sqlite import SQLiteStore
+from .urls import redact
 
 __all__ = [
     "SCHEMES",
@@ -59,7 +60,8 @@ def open_store(url: str, **options: Any) -> Store:
     """
     if not isinstance(url, str) or ":" not in url:
         raise ConfigurationError(
-            f"a store URL needs a scheme ({', '.join(s + ':' for s in SCHEMES)}), got {url!r}"
+            f"a store URL needs a scheme ({', '.join(s + ':' for s in SCHEMES)}),"
+            f" got {redact(str(url))!r}"
         )
     scheme = url.split(":", 1)[0].lower()
     if scheme == "sqlite":
@@ -81,7 +83,7 @@ def open_store(url: str, **options: Any) -> Store:
             ) from exc
         return cast_store(RedisStore(url, **options))
     raise ConfigurationError(
-        f"unknown store URL scheme {scheme!r} in {url!r}; known: {', '.join(SCHEMES)}"
+        f"unknown store URL scheme {scheme!r} in {redact(url)!r}; known: {', '.join(SCHEMES)}"
     )
 
 
@@ -96,13 +98,13 @@ def _sqlite(url: str, options: dict[str, Any]) -> SQLiteStore:
     if parts.netloc or parts.query or parts.fragment:
         raise ConfigurationError(
             "a SQLite store URL is sqlite:///absolute/path/file.sqlite3 or"
-            f" sqlite:relative/path/file.sqlite3 (no host, query or fragment), got {url!r}"
+            f" sqlite:relative/path/file.sqlite3 (no host, query or fragment), got {redact(url)!r}"
         )
     path = unquote(parts.path)
     if url.lower().startswith("sqlite:///"):
         path = "/" + path.lstrip("/")
     if not path or path.endswith("/"):
-        raise ConfigurationError(f"a SQLite store URL must name a file, got {url!r}")
+        raise ConfigurationError(f"a SQLite store URL must name a file, got {redact(url)!r}")
     file = Path(path)
     if "directory" in options or "filename" in options:
         raise ConfigurationError("the SQLite store URL names the file: pass no directory/filename")

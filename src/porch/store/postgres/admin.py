@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+from ..urls import redact
 from .schema import SCHEMA_VERSION, quote_schema
 
 if TYPE_CHECKING:
@@ -31,8 +32,7 @@ class PostgresAdmin:
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.s = quote_schema(store.schema)
-        host = store.url.split("@")[-1]  # never print a password
-        self.location = f"postgresql://{host} (schema {store.schema})"
+        self.location = f"{redact(store.url)} (schema {store.schema})"
 
     async def _conn(self) -> Any:
         conn = await self.store._connect()
@@ -61,7 +61,7 @@ class PostgresAdmin:
                 *([client] if client else []),
             )
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
             await conn.close()
         found = []
@@ -85,7 +85,7 @@ class PostgresAdmin:
                 *([f"client:{client}"] if client else []),
             )
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
             await conn.close()
         return [
@@ -112,7 +112,7 @@ class PostgresAdmin:
                 client,
             )
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
             await conn.close()
         return int(status.split()[-1])
@@ -144,7 +144,7 @@ class PostgresAdmin:
                     f" WHERE status IS NULL AND lease_until <= {_NOW} - 60 FOR UPDATE SKIP LOCKED)"
                 )
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
             await conn.close()
         return PurgeReport(int(counters.split()[-1]), int(responses))

@@ -39,6 +39,7 @@ from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
+from ..urls import redact
 from .claims import ListenerClaims
 from .codec import Op, Renew, arguments, settle
 from .hits import hit_arguments, settle_hits
@@ -171,8 +172,9 @@ class PostgresStore:
             raise StoreError(
                 f"PostgreSQL did not accept a connection within {self.connect_timeout:g}s"
             ) from exc
-        except (OSError, self._asyncpg.PostgresError) as exc:
-            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+        except (OSError, ValueError, self._asyncpg.PostgresError) as exc:
+            # ValueError: asyncpg's ClientConfigurationError (a bad URL parameter).
+            raise StoreError(redact(f"cannot connect to PostgreSQL: {exc}")) from exc
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -190,7 +192,7 @@ class PostgresStore:
         except self._asyncpg.PostgresError as exc:
             conn.terminate()
             raise StoreError(
-                f"cannot migrate the PostgreSQL schema {self.schema!r}: {exc}"
+                redact(f"cannot migrate the PostgreSQL schema {self.schema!r}: {exc}")
             ) from exc
         except BaseException:
             conn.terminate()
@@ -363,7 +365,7 @@ class PostgresStore:
                 f"PostgreSQL did not answer within {self.statement_timeout + 0.5:g}s"
             )
         except Exception as exc:  # driver and server errors alike
-            error = StoreError(f"PostgreSQL store: {exc}")
+            error = StoreError(redact(f"PostgreSQL store: {exc}"))
         if error is not None:
             self._failures += 1
             logger.error("porch: PostgreSQL batch failed: %s", error)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
+from ..urls import redact
 
 if TYPE_CHECKING:
     from .store import RedisStore
@@ -69,7 +70,7 @@ class RedisAdmin:
                 await client.ping()
             except Exception as exc:
                 await client.aclose()
-                raise StoreError(f"{self.location}: {exc}") from exc
+                raise StoreError(redact(f"{self.location}: {exc}")) from exc
             self._client = client
         return self._client
 
@@ -85,7 +86,7 @@ class RedisAdmin:
         try:
             return [name async for name in client.scan_iter(match=self._match(kind), count=1000)]
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
 
     async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
         redis = await self._redis()
@@ -103,7 +104,7 @@ class RedisAdmin:
                     pipe.pttl(name)
                 values = await pipe.execute()
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         found = []
         for i, (_, parts) in enumerate(chosen):
             count, ttl = values[2 * i], values[2 * i + 1]
@@ -131,7 +132,7 @@ class RedisAdmin:
                         pipe.hstrlen(name, field)
                 values = await pipe.execute()
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         found: list[ResponseInfo] = []
         for i, (name, scope, bare) in enumerate(chosen):
             status, ttl, *sizes = values[5 * i : 5 * i + 5]
@@ -155,7 +156,7 @@ class RedisAdmin:
         try:
             return int(await redis.delete(*doomed))
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
 
     def _pairs(self, zsets: list[bytes]) -> list[tuple[bytes, bytes]]:
         marker = f"{self.prefix}:qz:".encode()
@@ -173,7 +174,7 @@ class RedisAdmin:
                 if zset != total_zset:
                     trimmed += n
         except Exception as exc:
-            raise StoreError(f"{self.location}: {exc}") from exc
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
         # Counters and stored responses expire in Redis itself: nothing of theirs is left
         # to delete; what is reported is the quota bookkeeping of responses gone.
         return PurgeReport(0, trimmed)
@@ -191,7 +192,7 @@ class RedisAdmin:
         except StoreError as exc:
             problems.append(str(exc))
         except Exception as exc:
-            problems.append(f"{self.location}: {exc}")
+            problems.append(redact(f"{self.location}: {exc}"))
         return CheckReport(self.location, 1, 1, tuple(problems))
 
     async def close(self) -> None:

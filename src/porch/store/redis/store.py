@@ -21,12 +21,13 @@ import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import StoreOp, StoreStatistics
+from ..urls import redact
 from .claims import RedisClaims
 from .commands import Command, command, settle
 from .group import GroupPipeline
@@ -44,15 +45,6 @@ logger = logging.getLogger("porch.store")
 
 # Pipelines a process keeps in flight; batches queued meanwhile leave together next.
 _PIPELINES_IN_FLIGHT = 2
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisStore:
@@ -134,7 +126,7 @@ class RedisStore:
         self._failures = 0
 
     def __repr__(self) -> str:
-        return f"RedisStore({_redacted(self.url)!r}, prefix={self.prefix!r})"
+        return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -168,7 +160,7 @@ class RedisStore:
             await _close_client(subscriber)
             await _close_client(client)
             if isinstance(exc, Exception):
-                raise StoreError(f"cannot open Redis store {_redacted(self.url)}: {exc}") from exc
+                raise StoreError(redact(f"cannot open Redis store {self.url}: {exc}")) from exc
             raise
         self._client = client
         self._subscriber = subscriber
@@ -212,7 +204,7 @@ class RedisStore:
         """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
         from .admin import RedisAdmin
 
-        return RedisAdmin(self, f"{_redacted(self.url)} (prefix {self.prefix})")
+        return RedisAdmin(self, f"{redact(self.url)} (prefix {self.prefix})")
 
     def statistics(self) -> StoreStatistics:
         pipelines = self._transactions + (self._group.pipelines if self._group else 0)
@@ -233,7 +225,7 @@ class RedisStore:
             )
             for result in results:
                 if isinstance(result, Exception):
-                    raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
+                    raise StoreError(f"Redis store {redact(self.url)}: {result}")
         except StoreError:
             self._failures += 1
             raise
@@ -246,7 +238,7 @@ class RedisStore:
         results = await self._send(client, commands)
         for result in results:
             if isinstance(result, Exception):
-                raise StoreError(f"Redis store {_redacted(self.url)}: {result}")
+                raise StoreError(f"Redis store {redact(self.url)}: {result}")
         return results
 
     async def _send(self, client: Redis, commands: list[Command]) -> list[Any]:
@@ -264,7 +256,7 @@ class RedisStore:
                 for i, result in zip(missing, again, strict=True):
                     results[i] = result
         except Exception as exc:
-            raise StoreError(f"Redis store {_redacted(self.url)}: {exc!r}") from exc
+            raise StoreError(redact(f"Redis store {self.url}: {exc!r}")) from exc
         return results
 
     async def _pipeline(self, client: Redis, commands: list[Command]) -> list[Any]:
