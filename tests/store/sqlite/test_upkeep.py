@@ -99,6 +99,33 @@ async def test_existing_world_readable_files_are_tightened(tmp_path: Path) -> No
     assert mode(tmp_path) == 0o755  # a directory porch did not create is the operator's
 
 
+@pytest.mark.usefixtures("loose_umask")
+async def test_every_existing_porch_file_is_tightened(tmp_path: Path) -> None:
+    # Catches: the lock file (and the side file's) found 0644 and never tightened (issue
+    # 26, finding 6): only the data file and its -wal/-shm were.
+    from porch.store.base import Claim
+
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    claim = Claim("s\x1fk")
+    await store.apply([claim, Save("s\x1fbig", response(200 * 1024), 60.0)])
+    await store.close()
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"porch.sqlite3", "porch.sqlite3.locks", "porch-blobs.sqlite3"} <= names
+    for path in tmp_path.iterdir():
+        os.chmod(path, 0o644)  # as an earlier porch, or a careless copy, left them
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        again = Claim("s\x1fk2")
+        await store.apply([again, Save("s\x1fbig2", response(200 * 1024), 60.0)])
+        assert again.token > 0
+        for path in tmp_path.iterdir():
+            assert mode(path) == 0o600, (path.name, oct(mode(path)))
+    finally:
+        await store.close()
+
+
 async def test_an_existing_file_is_switched_to_incremental_vacuum(tmp_path: Path) -> None:
     db = tmp_path / "porch.sqlite3"
     conn = sqlite3.connect(db, isolation_level=None)

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..._files import private_file
+from ..._files import private_file, tighten
 
 __all__ = ["KeyLocks", "SQLiteClaims", "ofd_locks_available"]
 
@@ -96,6 +96,7 @@ class KeyLocks:
         pid = os.getpid()
         if self._pid != pid:
             private_file(self.path)  # 0600 whatever the umask
+            tighten(self.path)  # found 0644 (an earlier porch made it so): ours, so 0600
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._pid = pid
         return self._fd
