@@ -228,6 +228,34 @@ def test_forwarded_with_trusted_proxies() -> None:
     assert key(scope(fwd(header))) == "2001:db8::/64"
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        # Catches: Forwarded split on every comma, quoted or not (issue 26, finding 7): a
+        # proxy that echoes client text into a quoted parameter let it name the client.
+        'for=203.0.113.7;host="a,for=9.9.9.9;x="',
+        r'for=203.0.113.7;host="a\",for=9.9.9.9;x=\""',
+        r'for=9.9.9.9, for=203.0.113.7;host="a\\,b\\"',
+        'for="203.0.113.7";host="a;for=9.9.9.9"',
+        r'for="203.0.113.\7";proto=https',
+        "for=203.0.113.7;;proto=https;",
+        'for=1.1.1.1;host="x, for=9.9.9.9", for=203.0.113.7',
+    ],
+)
+def test_forwarded_is_parsed_by_its_grammar(header: str) -> None:
+    assert ClientIdentity(trust_hops=1, header="forwarded")(scope(fwd(header))) == "203.0.113.7"
+
+
+def test_quoted_commas_do_not_move_a_trusted_walk() -> None:
+    key = ClientIdentity(trusted_proxies=["10.0.0.0/8"], header="forwarded")
+    header = 'for=1.1.1.1, for=10.0.0.9;host="h, for=10.0.0.8, for=2.2.2.2", for=10.0.0.3'
+    assert key(scope(fwd(header))) == "1.1.1.1"
+    with pytest.raises(ForwardingHeaderError, match="max_header_bytes"):
+        ClientIdentity(trust_hops=1, header="forwarded", max_header_bytes=64)(
+            scope(fwd('for=1.1.1.1;host="' + "x," * 100 + '"'))
+        )
+
+
 # --- a trusted entry that cannot be read refuses the request -------------------------------
 
 
@@ -247,6 +275,8 @@ def test_forwarded_with_trusted_proxies() -> None:
         ("forwarded", "for=1.1.1.1, proto=https", "no for="),
         ("forwarded", "for=1.1.1.1;for=2.2.2.2", "more than one for="),
         ("forwarded", "for=1.1.1.1;secure", "bad parameter: 'secure'"),
+        ("forwarded", 'for="1.1.1.1', "malformed quoted string"),
+        ("forwarded", 'for="1.1.1.1"x', "malformed quoted string"),
     ],
 )
 def test_an_unreadable_trusted_entry_raises(header_name: Header, value: str, reason: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -44,6 +45,9 @@ _UNKNOWN = "unknown"
 _UNIX = "unix"
 # The well-known NAT64 prefix (RFC 6052): the client is the IPv4 in the last 32 bits.
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+# One RFC 7239 forwarded-pair (token "=" token / quoted-string) and what ends it.
+_PAIR = re.compile(r'([^=;"]*)(?:=[ \t]*("(?:[^"\\]|\\.)*"|[^;"]*))?[ \t]*(;|\Z)', re.DOTALL)
+_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
 # Enough of a bad entry to recognise it; the rest could be kilobytes of text.
 _SHOW_CHARS = 64
 
@@ -222,18 +226,24 @@ class ClientIdentity:
         """The header's hops, right to left, unparsed, split off only as far as they are read.
 
         The text left of what a walk reads (a client's) is neither split nor counted
-        against the limits.
+        against the limits. ``Forwarded`` elements are split on the commas outside
+        quoted strings (RFC 7239: a proxy may quote client text, commas and all, in a
+        parameter), found from the right: a client's unbalanced quote further left
+        cannot change where the proxy-written elements end.
         """
         values = [value for name, value in scope.get("headers", ()) if name == self._header_name]
+        quoted = self._header == "forwarded"
+        budget = self._max_header_bytes + 1
         size = 0
         for value in reversed(values):
             end = len(value)
             while True:
-                # Splitting on every comma, quoted or not, keeps the proxy-appended right end
-                # readable whatever a client put on the left (no for= value holds a comma).
-                start = value.rfind(b",", 0, end) + 1
+                if quoted:
+                    start = _element_start(value, end, budget - size)
+                else:
+                    start = value.rfind(b",", 0, end) + 1
                 size += end - start + 1
-                if size > self._max_header_bytes + 1:
+                if start < 0 or size > budget:
                     raise ForwardingHeaderError(
                         f"the trusted entries of the {self._header} header are over "
                         f"max_header_bytes={self._max_header_bytes}"
@@ -284,29 +294,71 @@ def _parse_ip(text: str) -> _IPAddress | None:
     return ip
 
 
+def _element_start(value: bytes, end: int, budget: int) -> int:
+    """Where the ``Forwarded`` element ending at ``end`` starts: after the nearest comma
+    to its left outside a quoted string. -1 when it would be longer than ``budget``.
+
+    Scanned right to left: a quote counts unless an odd number of backslashes
+    precedes it (``\\"`` is an escaped backslash, then the closing quote).
+    """
+    inside = False
+    i = end - 1
+    stop = max(end - budget - 1, -1)
+    while i > stop:
+        c = value[i]
+        if c == 0x22:  # '"'
+            j = i - 1
+            while j >= 0 and value[j] == 0x5C:  # '\\'
+                j -= 1
+            if (i - 1 - j) % 2 == 0:
+                inside = not inside
+        elif c == 0x2C and not inside:  # ','
+            return i + 1
+        i -= 1
+    return 0 if i < 0 else -1
+
+
+def _pairs(element: str, hop: int) -> Iterator[tuple[str, str]]:
+    """The ``name=value`` pairs of one RFC 7239 element, split on the semicolons outside
+    quoted strings, a quoted value unquoted (``\\x`` is ``x``); empty pairs are skipped."""
+    pos = 0
+    while True:
+        match = _PAIR.match(element, pos)
+        if match is None:  # a quote where none may be, or an unterminated quoted string
+            raise ForwardingHeaderError(
+                f"hop {hop} from the right of the forwarded header has a malformed quoted "
+                f"string: {_show(element)}"
+            )
+        name, value, separator = match.groups()
+        if value is not None:
+            if value.startswith('"'):
+                value = _ESCAPED.sub(r"\1", value[1:-1])
+            yield name.strip(), value.strip()
+        elif name.strip():
+            raise ForwardingHeaderError(
+                f"hop {hop} from the right of the forwarded header has a bad parameter: "
+                f"{_show(name.strip())}"
+            )
+        if not separator:
+            return
+        pos = match.end()
+
+
 def _for_node(element: str, hop: int) -> str:
     """The ``for=`` value of one RFC 7239 element, unquoted."""
     node: str | None = None
-    for pair in element.split(";"):
-        name, eq, value = pair.partition("=")
-        if not eq:
-            raise ForwardingHeaderError(
-                f"hop {hop} from the right of the forwarded header has a bad parameter: "
-                f"{_show(pair)}"
-            )
-        if name.strip().lower() != "for":
+    for name, value in _pairs(element, hop):
+        if name.lower() != "for":
             continue
         if node is not None:
             raise ForwardingHeaderError(
                 f"hop {hop} from the right of the forwarded header has more than one for="
             )
-        node = value.strip()
+        node = value
     if node is None:
         raise ForwardingHeaderError(
             f"hop {hop} from the right of the forwarded header has no for=: {_show(element)}"
         )
-    if len(node) >= 2 and node[0] == node[-1] == '"':
-        node = node[1:-1]
     return node
 
 

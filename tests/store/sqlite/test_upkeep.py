@@ -48,6 +48,10 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+def modes(directory: Path) -> dict[str, int]:
+    return {path.name: mode(path) for path in directory.iterdir()}
+
+
 def response(size: int) -> StoredResponse:
     return StoredResponse(b"d" * 32, 201, ((b"content-type", b"text/plain"),), b"x" * size)
 
@@ -110,18 +114,17 @@ async def test_every_existing_porch_file_is_tightened(tmp_path: Path) -> None:
     claim = Claim("s\x1fk")
     await store.apply([claim, Save("s\x1fbig", response(200 * 1024), 60.0)])
     await store.close()
-    names = {p.name for p in tmp_path.iterdir()}
+    names = set(modes(tmp_path))
     assert {"porch.sqlite3", "porch.sqlite3.locks", "porch-blobs.sqlite3"} <= names
-    for path in tmp_path.iterdir():
-        os.chmod(path, 0o644)  # as an earlier porch, or a careless copy, left them
+    for name in names:
+        os.chmod(tmp_path / name, 0o644)  # as an earlier porch, or a careless copy, left them
     store = SQLiteStore(tmp_path)
     await store.open()
     try:
         again = Claim("s\x1fk2")
         await store.apply([again, Save("s\x1fbig2", response(200 * 1024), 60.0)])
         assert again.token > 0
-        for path in tmp_path.iterdir():
-            assert mode(path) == 0o600, (path.name, oct(mode(path)))
+        assert set(modes(tmp_path).values()) == {0o600}, modes(tmp_path)
     finally:
         await store.close()
 
