@@ -118,17 +118,29 @@ async def _inspect(admin: StoreAdmin, args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2, ensure_ascii=False))
         return 0
-    print(f"store: {redact(admin.location)}")
+    print(f"store: {shown(redact(admin.location))}")
     print(f"counters ({len(counters)}):")
     for c in counters:
-        print(f"  {c.client}  rule={c.rule}/{c.limit}  count={c.count}  reset_in={c.reset_in:.0f}s")
+        print(
+            f"  {shown(c.client)}  rule={shown(c.rule)}/{shown(c.limit)}  count={c.count}"
+            f"  reset_in={c.reset_in:.0f}s"
+        )
     print(f"stored responses ({len(responses)}):")
     for r in responses:
         print(
-            f"  {r.scope}  key={r.key!r}  status={r.status}  {r.size} bytes"
+            f"  {shown(r.scope)}  key={r.key!r}  status={r.status}  {r.size} bytes"
             f"  expires_in={r.expires_in:.0f}s"
         )
     return 0
+
+
+def shown(text: str) -> str:
+    """``text`` safe for an operator's terminal: a client key or scope comes from a key
+    function that may return request text, so control characters (terminal escapes, a
+    bidi override) and backslashes are written as Python escapes, the rest as is."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
 
 
 async def _reset(admin: StoreAdmin, args: argparse.Namespace) -> int:
@@ -153,7 +165,7 @@ async def _check(admin: StoreAdmin, args: argparse.Namespace) -> int:
         return 0
     print(f"{redact(report.location)}: NOT HEALTHY", file=sys.stderr)
     for problem in report.problems:
-        print(f"  {redact(problem)}", file=sys.stderr)
+        print(f"  {shown(redact(problem))}", file=sys.stderr)
     return 1
 
 
