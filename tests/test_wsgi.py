@@ -121,6 +121,23 @@ def test_a_failing_owner_releases_its_key(served: tuple[str, App, WSGIMiddleware
     assert "idempotent-replayed" not in second.headers
 
 
+def test_invalid_utf8_paths_are_distinct_requests(
+    served: tuple[str, App, WSGIMiddleware],
+) -> None:
+    # Catches: PATH_INFO decoded with "replace", so /echo/%80 and /echo/%81 shared one
+    # digest path and the second was answered with the first's response (issue 26,
+    # finding 10). The digest is over the path's raw bytes.
+    base, app, _ = served
+    key = {"Idempotency-Key": "raw-path"}
+    first = httpx.post(base + "/echo/%80", content=b"x", headers=key, timeout=30)
+    other = httpx.post(base + "/echo/%81", content=b"x", headers=key, timeout=30)
+    again = httpx.post(base + "/echo/%80", content=b"x", headers=key, timeout=30)
+    assert first.status_code == 201
+    assert other.status_code == 422
+    assert again.headers["idempotent-replayed"] == "true"
+    assert app.runs == 1
+
+
 def test_close_stops_the_loop_thread(served: tuple[str, App, WSGIMiddleware]) -> None:
     base, _, guarded = served
     assert httpx.get(base + "/echo", timeout=30).status_code == 201

@@ -47,7 +47,9 @@ def scope_of(environ: dict[str, Any]) -> Scope:
         "http_version": protocol.split("/", 1)[-1] if "/" in protocol else "1.1",
         "method": str(environ.get("REQUEST_METHOD", "GET")).upper(),
         "scheme": environ.get("wsgi.url_scheme", "http"),
-        "path": (script + path).encode("latin-1").decode("utf-8", "replace"),
+        # Invalid UTF-8 kept as surrogates, not replaced: the request digest encodes the
+        # path back to exactly these bytes, so distinct paths never share one digest.
+        "path": raw.decode("utf-8", "surrogateescape"),
         "raw_path": raw,
         "root_path": script.encode("latin-1").decode("utf-8", "replace"),
         "query_string": str(environ.get("QUERY_STRING", "")).encode("latin-1"),
