@@ -74,6 +74,11 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument(
+        "--worker-header",
+        action="store_true",
+        help="name the worker process (its pid) in X-Demo-Worker on every response (tests)",
+    )
+    p.add_argument(
         "--durability",
         choices=("process", "power"),
         default="process",
@@ -122,6 +127,7 @@ def _demo(args: argparse.Namespace) -> int:
             checkout_latency=args.checkout_latency,
             trust_proxy_hops=args.trust_proxy_hops,
             workers=args.workers,
+            worker_header=args.worker_header,
             durability=args.durability,
             store=args.store,
         )

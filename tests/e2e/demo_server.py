@@ -307,14 +307,16 @@ class DemoLauncher:
         env: Mapping[str, str] | None = None,
         **options: int | float | str,
     ) -> DemoServer:
-        """``options`` are further CLI flags: ``pool_size=1`` means ``--pool-size 1``."""
+        """``options`` are further CLI flags: ``pool_size=1`` means ``--pool-size 1``,
+        ``worker_header=True`` means ``--worker-header``."""
         n = len(self.servers)
         data_dir = self.root / f"server{n}" / "data"
         log_dir = self.root / f"server{n}" / "logs"
         log_dir.mkdir(parents=True)
         argv = ["--limit", str(limit), "--window", f"{window:g}"]
         for name, value in options.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
+            flag = "--" + name.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
         server = DemoServer(data_dir, log_dir, argv)
         self.servers.append(server)
         server.start(env=env)

@@ -1,4 +1,5 @@
-"""The security review's findings (issue 12, THREATS.md) against real ``porch demo`` processes.
+"""The security reviews' findings (issues 12 and 26, THREATS.md) against real ``porch demo``
+processes.
 
 Real loopback sockets; a second client is another loopback source address
 (127.0.0.2), which the server sees as another peer. Counts come from the rows
@@ -214,3 +215,18 @@ def test_porchs_files_are_not_readable_by_other_users(demo: DemoLauncher) -> Non
     assert {"porch.sqlite3", "porch.sqlite3-wal", "porch-blobs.sqlite3", "orders.sqlite3"} <= names
     for path in [server.data_dir, *files]:
         assert path.stat().st_mode & 0o077 == 0, (path.name, oct(path.stat().st_mode))
+
+
+# -- issue 26 ------------------------------------------------------------------------------
+
+
+def test_the_demo_names_no_process_by_default(demo: DemoLauncher) -> None:
+    # Catches: X-Demo-Worker: <pid> on every response (issue 26, finding 12).
+    server = demo.start(limit=10, window=60)
+    with http(server) as c:
+        plain = c.get("/products")
+        refused = c.post("/orders", content=b"[", headers=keyed("k"))
+    assert plain.status_code == 200
+    assert refused.status_code == 400
+    for response in (plain, refused):
+        assert not [name for name in response.headers if "worker" in name.lower()]

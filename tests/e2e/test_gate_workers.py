@@ -270,7 +270,7 @@ def test_fresh_connections_across_workers_count_exactly(demo: DemoLauncher) -> N
     # than 100 served, a row below 100, two requests handed the same Remaining), and
     # keying on host:port (every new connection a new client: all 400 served).
     limit, n, concurrency = 100, 400, 48
-    server = demo.start(limit=limit, window=60, workers=WORKERS)
+    server = demo.start(limit=limit, window=60, workers=WORKERS, worker_header=True)
     wait_for_all_workers(server)
 
     async def run() -> list[httpx.Response]:
@@ -307,7 +307,7 @@ def test_concurrent_burst_across_workers_counts_exactly(demo: DemoLauncher) -> N
     # requests in flight at once in four processes would let more than 150 through and
     # duplicate Remaining values; and per-process counters (each worker grants 150).
     limit, n = 150, 200
-    server = demo.start(limit=limit, window=60, workers=WORKERS)
+    server = demo.start(limit=limit, window=60, workers=WORKERS, worker_header=True)
     wait_for_all_workers(server)
 
     async def run() -> tuple[list[Conn], list[httpx.Response], float]:
@@ -347,7 +347,9 @@ def test_identical_keyed_requests_across_workers_execute_once(demo: DemoLauncher
     # refused (409/422) instead of parked, and waiters that poll or sleep before looking
     # again (total time well over one 2 s checkout).
     latency = 2.0
-    server = demo.start(limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency)
+    server = demo.start(
+        limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency, worker_header=True
+    )
     wait_for_all_workers(server)
     body = order("chair", 2)
 
@@ -389,7 +391,9 @@ def test_worker_killed_mid_checkout_frees_the_key(demo: DemoLauncher) -> None:
     # instead of running the handler at once; and a response stored or an order
     # inserted for the execution that was killed.
     latency = 3.0
-    server = demo.start(limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency)
+    server = demo.start(
+        limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency, worker_header=True
+    )
     wait_for_all_workers(server)
     body = order("lamp", 7)
     key = "k-killed"
@@ -469,7 +473,9 @@ def test_parked_waiters_across_workers_cost_no_cpu(demo: DemoLauncher) -> None:
     # answered before the owner finished (a duplicate done before the owner), and
     # several executions.
     latency = 4.0
-    server = demo.start(limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency)
+    server = demo.start(
+        limit=BIG_LIMIT, window=60, workers=WORKERS, checkout_latency=latency, worker_header=True
+    )
     wait_for_all_workers(server)
     body = order("tea", 5)
     headers = keyed("k-parked")

@@ -48,7 +48,7 @@ def test_metrics_sum_every_worker(demo: DemoLauncher) -> None:
     # A killed demo's metrics directory (its pid no longer runs) is removed at the next start.
     stale = Path(tempfile.gettempdir()) / "porch-metrics-999999999-test"
     stale.mkdir(exist_ok=True)
-    server = demo.start(limit=40, window=300, workers=2)
+    server = demo.start(limit=40, window=300, workers=2, worker_header=True)
     assert not stale.exists()
     statuses: Counter[int] = Counter()
     workers: Counter[str] = Counter()

@@ -144,9 +144,11 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     app.router.redirect_slashes = False
     # A declared body over the cap is refused before anything reads or counts it.
     app.add_middleware(BodyCap, cap=MAX_BODY)
-    # Outermost: every response, replays and refusals included, names the worker
-    # process that served it, so multi-worker runs can be checked from outside.
-    app.add_middleware(_WorkerHeader)
+    if config.worker_header:
+        # Outermost: every response, replays and refusals included, names the worker
+        # process that served it, so multi-worker runs can be checked from outside. Off
+        # by default: a process id tells a client more about the host than it needs.
+        app.add_middleware(_WorkerHeader)
     return app
 
 
