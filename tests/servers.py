@@ -137,6 +137,18 @@ def _wait_redis_ready(port: int, timeout: float, alive: Any, password: str | Non
 # -- PostgreSQL ------------------------------------------------------------------
 
 
+def local_address() -> str | None:
+    """An IPv4 address of this host that is not loopback (the one its default route
+    leaves from), or None: a server listening there is reached as another host would be."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # UDP: picks a route, sends nothing
+        except OSError:
+            return None
+        address: str = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
 def postgres_bin() -> Path | None:
     """The newest /usr/lib/postgresql/*/bin holding initdb and pg_ctl (or on PATH)."""
     candidates = sorted(
@@ -159,8 +171,9 @@ class PostgresServer:
     ``synchronous_commit`` keeps its default: a commit still waits for the WAL write.
     """
 
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, *, also_on: str | None = None) -> None:
         self.bindir = bindir
+        self.also_on = also_on  # another local address to listen on (trusted like loopback)
         self.dir = Path(tempfile.mkdtemp(prefix="porch-pg-"))
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
@@ -176,6 +189,9 @@ class PostgresServer:
         self._run(
             "initdb", "--no-sync", "-A", "trust", "-U", "postgres", "-E", "UTF8", "-D", self.data
         )
+        if also_on is not None:
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {also_on}/32 trust\n")
 
     @property
     def url(self) -> str:
@@ -209,7 +225,8 @@ class PostgresServer:
         for attempt in range(attempts):
             port = self.port or free_port()
             options = (
-                f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={self.dir}"
+                f"-c listen_addresses=127.0.0.1{',' + self.also_on if self.also_on else ''}"
+                f" -p {port} -c unix_socket_directories={self.dir}"
                 " -c fsync=off -c full_page_writes=off -c max_connections=200"
             )
             try:
@@ -245,12 +262,12 @@ class PostgresServer:
 
 
 @contextlib.contextmanager
-def running_postgres() -> Iterator[PostgresServer]:
+def running_postgres(*, also_on: str | None = None) -> Iterator[PostgresServer]:
     """A PostgreSQL server of the caller's own (skips or fails when it cannot exist)."""
     bindir = postgres_bin()
     if bindir is None:
         missing_backend("postgres", "no PostgreSQL server binaries (initdb, pg_ctl) found")
-    server = PostgresServer(bindir)
+    server = PostgresServer(bindir, also_on=also_on)
     try:
         server.start()
         yield server
@@ -287,8 +304,10 @@ class RedisServer:
         appendonly: bool = False,
         appendfsync: str = "everysec",
         password: str | None = None,
+        also_on: str | None = None,
     ) -> None:
         self.binary = binary
+        self.also_on = also_on  # another local address to listen on
         self.password = password  # requirepass: clients must AUTH
         self.dir = Path(tempfile.mkdtemp(prefix="porch-redis-"))
         self.appendonly = appendonly
@@ -310,7 +329,7 @@ class RedisServer:
         return [
             self.binary,
             "--port", str(port),
-            "--bind", "127.0.0.1",
+            "--bind", "127.0.0.1", *([self.also_on] if self.also_on else []),
             "--dir", str(self.dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
@@ -379,13 +398,19 @@ class RedisServer:
 
 @contextlib.contextmanager
 def running_redis(
-    *, appendonly: bool = False, appendfsync: str = "everysec", password: str | None = None
+    *,
+    appendonly: bool = False,
+    appendfsync: str = "everysec",
+    password: str | None = None,
+    also_on: str | None = None,
 ) -> Iterator[RedisServer]:
     """A redis-server of the caller's own (skips or fails when there is no binary)."""
     binary = shutil.which("redis-server")
     if binary is None:
         missing_backend("redis", "no redis-server binary on PATH")
-    server = RedisServer(binary, appendonly=appendonly, appendfsync=appendfsync, password=password)
+    server = RedisServer(
+        binary, appendonly=appendonly, appendfsync=appendfsync, password=password, also_on=also_on
+    )
     try:
         server.start()
         yield server

@@ -31,14 +31,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
+from ..transport import check_transport
 from ..urls import redact
 from .claims import ListenerClaims
 from .codec import Op, Renew, arguments, settle
@@ -64,6 +67,19 @@ def _driver() -> Any:
             "the PostgreSQL store needs the asyncpg driver: pip install 'porch[postgres]'"
         ) from exc
     return asyncpg
+
+
+_TRANSPORT = (
+    "SELECT host(inet_server_addr()),"
+    " coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false)"
+)
+
+
+def _sslmode(url: str) -> str:
+    """The sslmode a connection to ``url`` asks for: the URL's, else PGSSLMODE's, else
+    libpq's (and asyncpg's) default, ``prefer`` (no certificate check)."""
+    asked = parse_qs(urlsplit(url).query).get("sslmode")
+    return (asked[-1] if asked else os.environ.get("PGSSLMODE", "prefer")).lower()
 
 
 class PostgresStore:
@@ -145,6 +161,7 @@ class PostgresStore:
         self._workers: list[asyncio.Task[None]] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._held: dict[str, int] = {}  # claims this process holds: key -> token
+        self._transport_checked = False
         self._transactions = 0
         self._operations = 0
         self._failures = 0
@@ -184,7 +201,7 @@ class PostgresStore:
         conn = await self._connect()
         try:
             version = await asyncio.wait_for(
-                migrate(conn, self.schema), self.statement_timeout + self.connect_timeout
+                self._prepare(conn), self.statement_timeout + self.connect_timeout
             )
         except TimeoutError as exc:
             conn.terminate()
@@ -208,6 +225,26 @@ class PostgresStore:
             )
         self.claims.start()
         self._heartbeat = loop.create_task(self._renew_forever(), name="porch-pg-heartbeat")
+
+    async def _prepare(self, conn: Any) -> int:
+        """Migrate the schema (the version found before), and say once if the server is
+        reached from another host without TLS and a certificate check."""
+        version = await migrate(conn, self.schema)
+        if not self._transport_checked:
+            self._transport_checked = True
+            # The server's side of this connection: its address (NULL on a unix socket)
+            # and whether the connection is TLS, whatever the URL asked for.
+            peer, tls = await conn.fetchrow(_TRANSPORT)
+            mode = _sslmode(self.url)
+            check_transport(
+                "PostgreSQL",
+                self.url,
+                peer,
+                tls=bool(tls),
+                verified=mode in ("verify-ca", "verify-full"),
+                setting="sslmode=verify-full and sslrootcert=<the server's CA>",
+            )
+        return version
 
     async def close(self) -> None:
         queue = self._queue

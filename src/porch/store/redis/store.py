@@ -27,6 +27,7 @@ from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import StoreOp, StoreStatistics
+from ..transport import check_transport
 from ..urls import redact
 from .claims import RedisClaims
 from .commands import Command, command, settle
@@ -45,6 +46,31 @@ logger = logging.getLogger("porch.store")
 
 # Pipelines a process keeps in flight; batches queued meanwhile leave together next.
 _PIPELINES_IN_FLIGHT = 2
+
+
+def _check_transport(url: str, client: Redis) -> None:
+    """Say once if the server is another host reached without TLS and a certificate check:
+    what the client's connections really do (redis-py's defaults included), not the URL."""
+    import ssl
+
+    from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+
+    pool = client.connection_pool
+    kind, options = pool.connection_class, pool.connection_kwargs
+    peer = None if issubclass(kind, UnixDomainSocketConnection) else options.get("host")
+    tls = issubclass(kind, SSLConnection)
+    required = options.get("ssl_cert_reqs", "required")
+    verified = (
+        required == ssl.CERT_REQUIRED or str(required).lower() == "required"
+    ) and options.get("ssl_check_hostname", True) not in (False, "false", "0", "no")
+    check_transport(
+        "Redis",
+        url,
+        peer,
+        tls=tls,
+        verified=verified,
+        setting="rediss:// with ssl_ca_certs=<the server's CA> (certificate and host checked)",
+    )
 
 
 class RedisStore:
@@ -121,6 +147,7 @@ class RedisStore:
         self._group: GroupPipeline | None = None
         # Claims this process holds, renewed by the heartbeat: logical key -> token.
         self._held: dict[str, int] = {}
+        self._transport_checked = False
         self._transactions = 0
         self._operations = 0
         self._failures = 0
@@ -162,6 +189,9 @@ class RedisStore:
             if isinstance(exc, Exception):
                 raise StoreError(redact(f"cannot open Redis store {self.url}: {exc}")) from exc
             raise
+        if not self._transport_checked:
+            self._transport_checked = True
+            _check_transport(self.url, client)
         self._client = client
         self._subscriber = subscriber
         self._group = GroupPipeline(
