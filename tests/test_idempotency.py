@@ -113,6 +113,7 @@ def keyed_scope() -> Scope:
         "path": "/o",
         "query_string": b"",
         "headers": [(b"idempotency-key", b"k")],
+        "client": ("10.1.2.3", 5000),
     }
 
 

@@ -41,6 +41,7 @@ def test_public_surface_is_pinned() -> None:
             "StoreStatistics",
             "StoredResponse",
             "SystemClock",
+            "UnidentifiedCallerError",
             "__version__",
             "authorization_scope",
             "open_store",

@@ -7,11 +7,16 @@ gunicorn with several sync workers is exercised by tests/e2e/test_examples.py
 
 from __future__ import annotations
 
+import functools
+import io
+import json
+import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.util import setup_testing_defaults
 
 import httpx
 import pytest
@@ -136,6 +141,44 @@ def test_invalid_utf8_paths_are_distinct_requests(
     assert other.status_code == 422
     assert again.headers["idempotent-replayed"] == "true"
     assert app.runs == 1
+
+
+def _record(
+    started: list[str], status: str, headers: Any, *exc_info: Any
+) -> Callable[[bytes], object]:
+    started.append(status)
+    return lambda data: None
+
+
+def test_an_empty_remote_addr_is_refused_not_shared(
+    served: tuple[str, App, WSGIMiddleware], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: a WSGI server without REMOTE_ADDR put every anonymous caller in one scope
+    # (issue 26, finding 2): the second caller got the first's stored response.
+    _, app, guarded = served
+    caplog.set_level(logging.WARNING, "porch.idempotency")
+    answers = []
+    for remote in ("", None):
+        environ: dict[str, Any] = {}
+        setup_testing_defaults(environ)
+        environ.update(
+            REQUEST_METHOD="POST",
+            PATH_INFO="/echo",
+            CONTENT_LENGTH="1",
+            HTTP_IDEMPOTENCY_KEY="anon",
+        )
+        environ["wsgi.input"] = io.BytesIO(b"x")
+        if remote is None:
+            environ.pop("REMOTE_ADDR", None)
+        else:
+            environ["REMOTE_ADDR"] = remote
+        started: list[str] = []
+        body = b"".join(guarded(environ, functools.partial(_record, started)))
+        answers.append((started[0], json.loads(body)))
+    assert [status for status, _ in answers] == ["503 Service Unavailable"] * 2
+    assert {problem["cause"] for _, problem in answers} == {"unidentified"}
+    assert app.runs == 0
+    assert sum("REMOTE_ADDR" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_close_stops_the_loop_thread(served: tuple[str, App, WSGIMiddleware]) -> None:

@@ -9,6 +9,7 @@ from .errors import (
     RateLimitExceeded,
     SaturatedError,
     StoreError,
+    UnidentifiedCallerError,
 )
 from .idempotency import IdempotencyMiddleware, IdempotencyRule
 from .idempotency_keys import CallerScope, ScopeFunc, authorization_scope
@@ -64,6 +65,7 @@ __all__ = [
     "StoreStatistics",
     "StoredResponse",
     "SystemClock",
+    "UnidentifiedCallerError",
     "__version__",
     "authorization_scope",
     "open_store",

@@ -72,6 +72,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=0,
         help="proxies in front whose X-Forwarded-For entries are trusted",
     )
+    p.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this unix socket instead of --host/--port (behind a local proxy)",
+    )
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument(
         "--worker-header",
@@ -128,6 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
             trust_proxy_hops=args.trust_proxy_hops,
             workers=args.workers,
             worker_header=args.worker_header,
+            uds=args.uds,
             durability=args.durability,
             store=args.store,
         )
@@ -147,8 +154,9 @@ def _demo(args: argparse.Namespace) -> int:
     where = f"orders in {os.path.abspath(config.data_dir)}, store {config.store}"
     if config.store is None:
         where = f"data in {os.path.abspath(config.data_dir)}"
+    address = f"unix:{config.uds}" if config.uds else f"http://{config.host}:{config.port}"
     print(
-        f"porch demo serving on http://{config.host}:{config.port} "
+        f"porch demo serving on {address} "
         f"({redact(where)}, limit {config.limit} per {config.window:g}s per client)",
         flush=True,
     )
@@ -158,6 +166,7 @@ def _demo(args: argparse.Namespace) -> int:
             factory=True,
             host=config.host,
             port=config.port,
+            uds=config.uds,
             workers=config.workers if config.workers > 1 else None,
             log_level="warning",
             access_log=False,

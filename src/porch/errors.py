@@ -12,6 +12,7 @@ __all__ = [
     "RateLimitExceeded",
     "SaturatedError",
     "StoreError",
+    "UnidentifiedCallerError",
 ]
 
 
@@ -25,6 +26,11 @@ class ConfigurationError(PorchError, ValueError):
 
 class ForwardingHeaderError(PorchError):
     """Raised when a forwarding header's trusted entries cannot be read; the request gets 400."""
+
+
+class UnidentifiedCallerError(PorchError):
+    """Raised when a keyed request has neither credentials nor a client address: no caller
+    scope would be its own, so idempotency refuses it (503) rather than share one."""
 
 
 class RateLimitExceeded(PorchError):

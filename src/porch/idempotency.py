@@ -23,6 +23,7 @@ from .errors import (
     PoolClosedError,
     SaturatedError,
     StoreError,
+    UnidentifiedCallerError,
 )
 from .idempotency_events import IdempotencyEvents
 from .idempotency_keys import (
@@ -40,6 +41,8 @@ from .rules import normalize_method
 from .store.base import Quota, StoredResponse
 
 __all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyRule"]
+
+logger = logging.getLogger("porch.idempotency")
 
 DEFAULT_RULE = IdempotencyRule()  # frozen: POST and PATCH on every path, key optional
 DEFAULT_QUOTA = Quota()  # frozen: 8 MiB of stored responses per caller scope, 1 GiB in total
@@ -114,6 +117,7 @@ class IdempotencyMiddleware:
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
         self.quota = quota
         self.events = IdempotencyEvents(pool.metrics, self._scope, quota)
+        self._told_unidentified = False  # what to configure is logged once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.enabled:
@@ -189,7 +193,39 @@ class IdempotencyMiddleware:
                 scope, receive, send
             )
             return
+        except UnidentifiedCallerError:
+            self._unidentified(scope)
+            await problem(
+                503,
+                "idempotency cannot tell this caller from others: the request has no"
+                " credentials and the server sees no client address",
+                cause="unidentified",
+            )(scope, receive, send)
+            return
         await self._keyed(scope, receive, send, caller, f"{caller}\x1f{key}", digest, body)
+
+    def _unidentified(self, scope: Scope) -> None:
+        """Count and log a keyed request refused for want of a caller; say once what to
+        configure (a deployment's setting, not a client's mistake)."""
+        if not self._told_unidentified:
+            self._told_unidentified = True
+            logger.error(
+                "porch: refusing keyed requests that carry no credentials from a client"
+                " without an address (%s): they would all share one idempotency scope. Behind"
+                " a proxy on a unix socket, pass ClientIdentity(trusted_proxies=['unix']) to"
+                " the limiter and CallerScope(identity=...); in WSGI, have the server set"
+                " REMOTE_ADDR; or give IdempotencyMiddleware scope= a function naming the"
+                " user",
+                "a unix socket" if scope.get("client") is None else "an empty address",
+                extra={"outcome": "unidentified", "cause": "unidentified", "status": 503},
+            )
+        self.events.event(
+            scope,
+            "unidentified",
+            503,
+            logging.WARNING,
+            "porch: refused a keyed request whose caller cannot be told from others (503)",
+        )
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []

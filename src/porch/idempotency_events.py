@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from ._types import Scope
-from .errors import ForwardingHeaderError
+from .errors import ForwardingHeaderError, UnidentifiedCallerError
 from .eventlog import EventLog
 from .idempotency_keys import ScopeFunc
 from .metrics import PorchMetrics
@@ -44,7 +44,7 @@ class IdempotencyEvents:
             self._causes[outcome].inc()
         try:
             caller = self._scope(scope)
-        except ForwardingHeaderError:
+        except (ForwardingHeaderError, UnidentifiedCallerError):
             caller = "unidentified"
         self.log.event(
             level,

@@ -6,7 +6,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 from ._types import Scope
-from .identity import ClientIdentity, KeyFunc
+from .errors import UnidentifiedCallerError
+from .identity import UNKNOWN_CLIENT, ClientIdentity, KeyFunc
 
 __all__ = [
     "CallerScope",
@@ -94,6 +95,12 @@ class CallerScope:
     the rate limiter uses. So an anonymous client whose address changes (a new
     NAT mapping, another /64) gets a fresh scope, and its retry runs the handler
     again: pass ``scope=`` a function returning your user id to do better.
+
+    A request with neither credentials nor a client address (a unix-socket proxy
+    not named in ``trusted_proxies``, a WSGI server without ``REMOTE_ADDR``) has no
+    scope of its own: every such caller would share one. It raises
+    :class:`~porch.errors.UnidentifiedCallerError` instead, and the middleware
+    refuses the keyed request.
     """
 
     __slots__ = ("_identity",)
@@ -112,7 +119,10 @@ class CallerScope:
                 h.update(value)
         if h is not None:
             return "cred:" + h.hexdigest()
-        return "client:" + self._identity(scope)
+        client = self._identity(scope)
+        if not client or client == UNKNOWN_CLIENT:
+            raise UnidentifiedCallerError("the request has no credentials and no client address")
+        return "client:" + client
 
 
 def request_digest(

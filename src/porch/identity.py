@@ -31,7 +31,7 @@ from typing import Literal
 from ._types import Scope
 from .errors import ConfigurationError, ForwardingHeaderError
 
-__all__ = ["ClientIdentity", "KeyFunc"]
+__all__ = ["UNKNOWN_CLIENT", "ClientIdentity", "KeyFunc"]
 
 KeyFunc = Callable[[Scope], str]
 
@@ -41,7 +41,9 @@ _IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _log = logging.getLogger("porch.identity")
 
 _HEADERS = ("x-forwarded-for", "forwarded")
-_UNKNOWN = "unknown"
+# The key of a request without a client address (a unix socket, a WSGI server without
+# REMOTE_ADDR): every such request shares it.
+UNKNOWN_CLIENT = _UNKNOWN = "unknown"
 _UNIX = "unix"
 # The well-known NAT64 prefix (RFC 6052): the client is the IPv4 in the last 32 bits.
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
@@ -162,7 +164,7 @@ class ClientIdentity:
         host: str = client[0]
         if ":" in host:
             return self._peer_key(host)
-        return host
+        return host or _UNKNOWN
 
     def _check_exposure(self, scope: Scope) -> None:
         self._checked[0] = True
@@ -265,7 +267,7 @@ class ClientIdentity:
         return ip
 
     def _peer_key(self, peer: str | None) -> str:
-        if peer is None:
+        if not peer:
             return _UNKNOWN
         ip = _parse_ip(peer)
         # Not every peer is an address (a unix socket path, a test client's name).

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["IDEMPOTENCY_OUTCOMES", "UNAVAILABLE_CAUSES", "UNSTORED_REASONS", "PorchMetrics"]
 
 IDEMPOTENCY_OUTCOMES = ("executed", "replayed", "mismatch", "conflict", "invalid", "too_large")
-UNAVAILABLE_CAUSES = ("saturated", "store")
+UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified")
 UNSTORED_REASONS = ("quota", "fenced")
 
 _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -95,7 +95,7 @@ class PorchMetrics:
         )
         self.unavailable = prom.Counter(
             "porch_unavailable",
-            "Requests answered 503, by cause (saturated, store).",
+            "Requests answered 503, by cause (saturated, store, unidentified).",
             ["cause"],
             registry=target,
         )

@@ -122,6 +122,8 @@ class DemoServer:
         self.data_dir = data_dir
         self.log_dir = log_dir
         self.options = tuple(options)
+        # ``--uds PATH``: the demo listens on that unix socket (its clients have no address).
+        self.uds = options[options.index("--uds") + 1] if "--uds" in options else None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
@@ -131,7 +133,12 @@ class DemoServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return "http://demo" if self.uds else f"http://127.0.0.1:{self.port}"
+
+    def client(self, **options: Any) -> httpx.Client:
+        """An HTTP client of this server, over its unix socket when it listens on one."""
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.Client(base_url=self.base_url, transport=transport, **options)
 
     @property
     def db_path(self) -> Path:
@@ -204,7 +211,7 @@ class DemoServer:
         assert proc is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT
         last_error = "no attempt"
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
+        with self.client(timeout=1.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
                     pytest.fail(

@@ -230,3 +230,35 @@ def test_the_demo_names_no_process_by_default(demo: DemoLauncher) -> None:
     assert refused.status_code == 400
     for response in (plain, refused):
         assert not [name for name in response.headers if "worker" in name.lower()]
+
+
+def test_two_anonymous_callers_over_a_unix_socket_never_share_a_response(
+    demo: DemoLauncher, tmp_path: Path
+) -> None:
+    # Catches: behind a unix-socket proxy (no client address) every anonymous caller
+    # shared one idempotency scope: a second caller received the first one's stored
+    # order, and nothing was logged (issue 26, finding 2). The outside check, as worded.
+    server = demo.start(limit=100, window=60, uds=str(tmp_path / "demo.sock"))
+    with server.client(timeout=30.0) as alice, server.client(timeout=30.0) as bob:
+        mine = alice.post("/orders", content=order("tea"), headers=keyed("order-1"))
+        theirs = bob.post("/orders", content=order("tea"), headers=keyed("order-1"))
+        again = bob.post("/orders", content=order("lamp"), headers=keyed("order-2"))
+        # Credentials are a scope of their own: those callers are served.
+        carol = alice.post(
+            "/orders", content=order("tea"), headers={**keyed("order-1"), "cookie": "s=carol"}
+        )
+        dave = bob.post(
+            "/orders", content=order("tea"), headers={**keyed("order-1"), "cookie": "s=dave"}
+        )
+        unkeyed = bob.get("/products")
+    for refused in (mine, theirs, again):
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["cause"] == "unidentified"
+        assert "idempotent-replayed" not in refused.headers
+    assert carol.status_code == dave.status_code == 201
+    assert carol.json()["id"] != dave.json()["id"]
+    assert "idempotent-replayed" not in dave.headers
+    assert unkeyed.status_code == 200
+    assert orders_count(server) == 2
+    # What to configure is said once, however many requests were refused.
+    assert server.stderr().count("trusted_proxies=['unix']") == 1, server.output()

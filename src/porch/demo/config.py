@@ -30,6 +30,7 @@ class DemoConfig:
     checkout_latency: float = 0.0
     trust_proxy_hops: int = 0
     workers: int = 1
+    uds: str | None = None  # a unix socket to listen on, instead of host and port
     worker_header: bool = False  # X-Demo-Worker: <pid> on every response (multi-worker tests)
     durability: Durability = "process"
     store: str | None = None  # a store URL (see porch.open_store); None: SQLite in data_dir

@@ -1,0 +1,123 @@
+"""The second security review's findings (issue 26, THREATS.md), in process: each test
+fails on the code before its fix. The same findings against real processes are in
+tests/e2e/test_gate_threats.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from porch import (
+    CallerScope,
+    ClientIdentity,
+    IdempotencyMiddleware,
+    KeyPool,
+    ManualClock,
+    SQLiteStore,
+)
+from porch._types import Message, Receive, Scope, Send
+
+pytestmark = pytest.mark.anyio
+
+
+class Orders:
+    """An app that counts executions."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.calls += 1
+        while (await receive()).get("more_body", False):
+            pass
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": f"order {self.calls}".encode()})
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path, clock=ManualClock()), size=2)
+    yield p
+    await p.close()
+
+
+async def request(
+    app: IdempotencyMiddleware,
+    headers: list[tuple[bytes, bytes]],
+    client: tuple[str, int] | None,
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One keyed POST through ``app`` from ``client`` (None: a unix socket)."""
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/orders",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", b"order-1"), *headers],
+        "client": client,
+    }
+    inbox: list[Message] = [{"type": "http.request", "body": b"tea", "more_body": False}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], dict(sent[0]["headers"]), body
+
+
+# --- finding 2: no peer, no shared scope ---------------------------------------------------
+
+
+async def test_callers_without_an_address_never_share_a_scope(
+    pool: KeyPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: with no client address (a unix-socket proxy not named in trusted_proxies)
+    # every anonymous caller shared one scope: the second got the first's stored order.
+    caplog.set_level(logging.WARNING, "porch.idempotency")
+    orders = Orders()
+    app = IdempotencyMiddleware(orders, pool=pool)
+    answers = [await request(app, [], None) for _ in range(3)]
+    for status, headers, body in answers:
+        assert status == 503
+        assert json.loads(body)["cause"] == "unidentified"
+        assert b"idempotent-replayed" not in headers
+    assert orders.calls == 0
+    advice = [r for r in caplog.records if "trusted_proxies=['unix']" in r.getMessage()]
+    assert len(advice) == 1  # said once, not per request
+    # Credentials are a scope of their own, with or without an address.
+    first = await request(app, [(b"cookie", b"s=carol")], None)
+    second = await request(app, [(b"cookie", b"s=dave")], None)
+    assert first[0] == second[0] == 201
+    assert first[2] != second[2]
+    assert orders.calls == 2
+
+
+async def test_a_trusted_unix_socket_proxy_names_each_caller(pool: KeyPool) -> None:
+    orders = Orders()
+    identity = ClientIdentity(trusted_proxies=["unix"])
+    app = IdempotencyMiddleware(orders, pool=pool, scope=CallerScope(identity=identity))
+    alice = await request(app, [(b"x-forwarded-for", b"203.0.113.1")], None)
+    bob = await request(app, [(b"x-forwarded-for", b"203.0.113.2")], None)
+    replay = await request(app, [(b"x-forwarded-for", b"203.0.113.1")], None)
+    assert alice[0] == bob[0] == 201
+    assert alice[2] != bob[2]
+    assert replay[1][b"idempotent-replayed"] == b"true"
+    assert replay[2] == alice[2]
+
+
+def test_an_empty_peer_address_is_no_address() -> None:
+    from porch.errors import UnidentifiedCallerError
+
+    scope = CallerScope()
+    for client in (None, ("", 0)):
+        with pytest.raises(UnidentifiedCallerError):
+            scope({"type": "http", "headers": [], "client": client})
+    assert scope({"type": "http", "headers": [], "client": ("10.0.0.1", 1)}) == "client:10.0.0.1"
