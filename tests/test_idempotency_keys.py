@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
+from porch.errors import ConfigurationError
 from porch.idempotency_keys import (
+    SECRET,
+    CallerScope,
     InvalidKey,
     authorization_scope,
     parse_key,
@@ -48,8 +53,8 @@ def test_invalid_keys(values: list[bytes], message: str) -> None:
 
 
 def test_authorization_scope() -> None:
-    def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
-        return {"headers": list(headers)}
+    def scope(*headers: tuple[bytes, bytes], secret: bytes = b"k" * 32) -> dict[str, object]:
+        return {"headers": list(headers), SECRET: secret}
 
     anon = authorization_scope(scope())
     alice = authorization_scope(scope((b"authorization", b"Bearer alice")))
@@ -58,6 +63,21 @@ def test_authorization_scope() -> None:
     assert len({anon, alice, bob}) == 3
     assert alice == authorization_scope(scope((b"authorization", b"Bearer alice")))
     assert "alice" not in alice  # a digest, never the credential itself
+    # Keyed with the store's secret: another store's digest of the same credential differs,
+    # and neither is the unkeyed digest a dictionary could be tried against.
+    other = authorization_scope(scope((b"authorization", b"Bearer alice"), secret=b"j" * 32))
+    unkeyed = hashlib.blake2b(b"Bearer alice", digest_size=16).hexdigest()
+    assert len({alice, other, unkeyed}) == 3
+
+
+def test_credentials_are_never_digested_without_the_secret() -> None:
+    headers = {"headers": [(b"cookie", b"s=1")], "client": ("10.0.0.1", 1)}
+    with pytest.raises(ConfigurationError, match="store's secret"):
+        CallerScope()(headers)
+    with pytest.raises(ConfigurationError, match="store's secret"):
+        authorization_scope({"headers": [(b"authorization", b"Basic eDp5")]})
+    # Without credentials there is nothing to key: the client identity, as before.
+    assert CallerScope()({"headers": [], "client": ("10.0.0.1", 1)}) == "client:10.0.0.1"
 
 
 def test_digest_covers_method_path_query_and_body() -> None:

@@ -35,6 +35,7 @@ class GatedStore:
 
     claims: Claims = NoClaims()
     in_flight = 1
+    secret = b"s" * 32
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

@@ -45,6 +45,7 @@ class GatedStore:
     """Every batch waits for its own gate, so a test decides the order batches finish in."""
 
     claims: Claims = NoClaims()
+    secret = b"s" * 32
 
     def __init__(self, in_flight: int) -> None:
         self.in_flight = in_flight

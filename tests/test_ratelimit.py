@@ -205,6 +205,7 @@ async def test_custom_refusal_factory(pool: KeyPool) -> None:
 class BrokenStore:
     claims: Claims = NoClaims()
     in_flight = 1
+    secret = b"s" * 32
 
     async def open(self) -> None:
         pass

@@ -4,8 +4,11 @@ tests/e2e/test_gate_threats.py."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -121,3 +124,46 @@ def test_an_empty_peer_address_is_no_address() -> None:
         with pytest.raises(UnidentifiedCallerError):
             scope({"type": "http", "headers": [], "client": client})
     assert scope({"type": "http", "headers": [], "client": ("10.0.0.1", 1)}) == "client:10.0.0.1"
+
+
+# --- finding 4: credential digests keyed with the store's secret ---------------------------
+
+WORDS = ("hunter2", "password", "letmein")
+
+
+def unkeyed_scope(authorization: bytes) -> str:
+    """The scope CallerScope gave before the fix: an unkeyed digest of the header."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"a %d:" % len(authorization))
+    h.update(authorization)
+    return "cred:" + h.hexdigest()
+
+
+def basic(user: str, password: str) -> bytes:
+    return b"Basic " + base64.b64encode(f"{user}:{password}".encode())
+
+
+async def test_a_stored_scope_cannot_be_tested_against_a_dictionary(
+    pool: KeyPool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Catches: porch inspect, the store and the logs showed "cred:" + an unkeyed digest of
+    # Authorization, and a Basic-auth password was recovered with a three-word dictionary.
+    caplog.set_level(logging.INFO, "porch.idempotency")
+    app = IdempotencyMiddleware(Orders(), pool=pool)
+    auth = [(b"authorization", basic("alice", "hunter2"))]
+    assert (await request(app, auth, ("10.0.0.1", 1)))[0] == 201
+    mismatch = await request(app, [*auth, (b"content-type", b"x/y")], ("10.0.0.1", 1))
+    assert mismatch[0] == 422  # logged with its scope
+    with sqlite3.connect(tmp_path / "porch.sqlite3") as conn:
+        [(stored,)] = conn.execute("SELECT scope FROM responses").fetchall()
+        (secret,) = conn.execute("SELECT value FROM porch_meta WHERE name = 'secret'").fetchone()
+    conn.close()
+    logged = {getattr(r, "scope", None) for r in caplog.records}
+    assert stored in logged
+    guesses = {unkeyed_scope(basic("alice", word)) for word in WORDS}
+    assert stored not in guesses
+    # It is the digest keyed with this store's secret, which only the store holds.
+    h = hashlib.blake2b(digest_size=16, key=bytes.fromhex(secret))
+    h.update(b"a %d:" % len(auth[0][1]))
+    h.update(auth[0][1])
+    assert stored == "cred:" + h.hexdigest()

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .idempotency_events import IdempotencyEvents
 from .idempotency_keys import (
+    SECRET,
     CallerScope,
     InvalidKey,
     ScopeFunc,
@@ -116,7 +117,7 @@ class IdempotencyMiddleware:
         self.max_stored = max_stored
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
         self.quota = quota
-        self.events = IdempotencyEvents(pool.metrics, self._scope, quota)
+        self.events = IdempotencyEvents(pool.metrics, self._caller, quota)
         self._told_unidentified = False  # what to configure is logged once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,7 +180,12 @@ class IdempotencyMiddleware:
             return
         digest = scope_digest(scope, body, rule.digest_headers)
         try:
-            caller = self._scope(scope)
+            if not self.pool.started:
+                await self.pool.start()  # its store's secret keys the caller's digest
+            caller = self._caller(scope)
+        except (StoreError, PoolClosedError) as exc:
+            await self._store_failed(scope, receive, send, exc)
+            return
         except ForwardingHeaderError as exc:
             self.events.event(
                 scope,
@@ -203,6 +209,30 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
         await self._keyed(scope, receive, send, caller, f"{caller}\x1f{key}", digest, body)
+
+    def _caller(self, scope: Scope) -> str:
+        """The request's caller scope: the scope function, handed the store's secret (in a
+        copy of the scope, see idempotency_keys.SECRET) once the store is open."""
+        try:
+            secret = self.pool.store.secret
+        except StoreError:  # not open yet (a log line of an early refusal)
+            return self._scope(scope)
+        return self._scope({**scope, SECRET: secret})
+
+    async def _store_failed(
+        self, scope: Scope, receive: Receive, send: Send, exc: BaseException
+    ) -> None:
+        self.events.event(
+            scope,
+            "store",
+            503,
+            logging.ERROR,
+            "porch: idempotency store failed (%s); answering 503",
+            exc,
+        )
+        await problem(
+            503, "idempotency store unavailable", cause="store", headers=self._retry_after
+        )(scope, receive, send)
 
     def _unidentified(self, scope: Scope) -> None:
         """Count and log a keyed request refused for want of a caller; say once what to
@@ -297,17 +327,7 @@ class IdempotencyMiddleware:
             )(scope, receive, send)
             return
         except (StoreError, PoolClosedError) as exc:
-            self.events.event(
-                scope,
-                "store",
-                503,
-                logging.ERROR,
-                "porch: idempotency store failed (%s); answering 503",
-                exc,
-            )
-            await problem(
-                503, "idempotency store unavailable", cause="store", headers=self._retry_after
-            )(scope, receive, send)
+            await self._store_failed(scope, receive, send, exc)
             return
 
         outcomes = self.events.outcomes

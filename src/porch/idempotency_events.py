@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from ._types import Scope
-from .errors import ForwardingHeaderError, UnidentifiedCallerError
+from .errors import ForwardingHeaderError, PorchError, UnidentifiedCallerError
 from .eventlog import EventLog
 from .idempotency_keys import ScopeFunc
 from .metrics import PorchMetrics
@@ -46,6 +46,8 @@ class IdempotencyEvents:
             caller = self._scope(scope)
         except (ForwardingHeaderError, UnidentifiedCallerError):
             caller = "unidentified"
+        except PorchError:  # credentials, before the store (and its secret) was open
+            caller = "unknown"
         self.log.event(
             level,
             (outcome, caller),

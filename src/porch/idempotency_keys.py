@@ -6,10 +6,11 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 from ._types import Scope
-from .errors import UnidentifiedCallerError
+from .errors import ConfigurationError, UnidentifiedCallerError
 from .identity import UNKNOWN_CLIENT, ClientIdentity, KeyFunc
 
 __all__ = [
+    "SECRET",
     "CallerScope",
     "InvalidKey",
     "ScopeFunc",
@@ -17,6 +18,7 @@ __all__ = [
     "parse_key",
     "request_digest",
     "scope_digest",
+    "store_secret",
 ]
 
 ScopeFunc = Callable[[Scope], str]
@@ -72,8 +74,31 @@ def _sf_string(raw: bytes) -> bytes:
     raise InvalidKey("Idempotency-Key has an unterminated quoted string")
 
 
+# Where IdempotencyMiddleware hands its store's secret (Store.secret) to the caller-scope
+# function: a key of a copy of the request's scope, made for that call (the app never
+# sees it). The digests of credentials are keyed with it.
+SECRET = "porch.scope_secret"
+
+
+def store_secret(scope: Scope) -> bytes:
+    """The store's secret the middleware put in ``scope``, to key a digest of credentials.
+
+    Raises ConfigurationError outside the middleware: an unkeyed digest of a
+    password could be tested against a dictionary by whoever sees it.
+    """
+    try:
+        secret: bytes = scope[SECRET]
+    except KeyError:
+        raise ConfigurationError(
+            "a digest of credentials is keyed with the store's secret: call this scope"
+            " function through IdempotencyMiddleware(scope=...)"
+        ) from None
+    return secret
+
+
 def authorization_scope(scope: Scope) -> str:
-    """A caller scope from ``Authorization`` alone (or ``anon``).
+    """A caller scope from ``Authorization`` alone (or ``anon``): a digest keyed with the
+    store's secret (see :func:`store_secret`).
 
     Not the default: every caller without the header shares the ``anon`` scope,
     so they can replay and probe each other's keys. Use it only where every
@@ -82,14 +107,16 @@ def authorization_scope(scope: Scope) -> str:
     auth = [v for k, v in scope["headers"] if k == b"authorization"]
     if not auth:
         return "anon"
-    return hashlib.blake2b(b"\n".join(auth), digest_size=16).hexdigest()
+    return hashlib.blake2b(b"\n".join(auth), digest_size=16, key=store_secret(scope)).hexdigest()
 
 
 class CallerScope:
     """The default caller scope: who a key belongs to, so no caller sees another's keys.
 
     A request carrying ``Authorization`` or ``Cookie`` is scoped by a digest of
-    both (a new token or session is a new caller). A request carrying neither
+    both (a new token or session is a new caller), keyed with the store's secret
+    (:func:`store_secret`): a scope shown by ``porch inspect`` or a log line cannot
+    be tested against a dictionary of passwords without the store. A request carrying neither
     is scoped by its client identity — ``identity`` (default:
     :class:`ClientIdentity`, the peer host), which should be the key function
     the rate limiter uses. So an anonymous client whose address changes (a new
@@ -113,7 +140,7 @@ class CallerScope:
         for name, value in scope["headers"]:
             if name == b"authorization" or name == b"cookie":
                 if h is None:
-                    h = hashlib.blake2b(digest_size=16)
+                    h = hashlib.blake2b(digest_size=16, key=store_secret(scope))
                 # Length-prefixed and labelled: "Cookie: x" is not "Authorization: x".
                 h.update(b"%s %d:" % (name[:1], len(value)))
                 h.update(value)

@@ -1,8 +1,12 @@
 """Secrets stay secret (issue 26): no password form of a store URL is ever printed, by
-the operator CLI or the demo, against real Redis and PostgreSQL servers."""
+the operator CLI or the demo, against real Redis and PostgreSQL servers; no scope porch
+shows or stores can be tested against a dictionary of passwords."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -75,3 +79,33 @@ def test_a_postgres_password_is_never_printed(postgres_url: str) -> None:
     broken = porch_cli("inspect", "--store", f"{postgres_url}?password={SECRET}&sslmode=bogus")
     assert broken.returncode == 2
     assert SECRET not in shown(broken)
+
+
+def unkeyed_scope(authorization: bytes) -> str:
+    """What CallerScope showed before the fix: "cred:" + an unkeyed digest of the header."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"a %d:" % len(authorization))
+    h.update(authorization)
+    return "cred:" + h.hexdigest()
+
+
+def test_a_basic_auth_password_is_not_recovered_from_porch_inspect(demo: DemoLauncher) -> None:
+    # Catches: porch inspect showed "cred:" + an unkeyed digest of Authorization, and a
+    # Basic-auth password was recovered from it with a three-word dictionary (finding 4).
+    server = demo.start(limit=10, window=60)
+    authorization = b"Basic " + base64.b64encode(b"alice:hunter2")
+    with server.client(timeout=30.0) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": "k-1", "Authorization": authorization.decode()},
+        )
+    assert created.status_code == 201
+    done = porch_cli("inspect", "--json", "--data-dir", str(server.data_dir))
+    assert done.returncode == 0, done.stderr
+    [response] = json.loads(done.stdout)["responses"]
+    scope = response["scope"]
+    assert scope.startswith("cred:")
+    for word in ("password", "letmein", "hunter2"):
+        guess = b"Basic " + base64.b64encode(f"alice:{word}".encode())
+        assert scope != unkeyed_scope(guess), f"recovered: {word}"

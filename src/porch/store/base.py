@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 
 __all__ = [
     "BIG_BODY",
+    "SECRET_BYTES",
     "Claim",
     "Claims",
     "Durability",
@@ -39,6 +40,9 @@ __all__ = [
 # A response body above this many bytes is big: its save leaves the pool's batch and
 # runs on its own (ownership.Complete), and the SQLite store keeps it in its side file.
 BIG_BODY = 64 * 1024
+
+# The size of a store's secret (Store.secret), created once with its schema.
+SECRET_BYTES = 32
 
 Durability = Literal["process", "power"]
 """``"process"``: a commit survives the process being killed (``kill -9``), not a power loss.
@@ -248,3 +252,11 @@ class Store(Protocol):
         ...
 
     def statistics(self) -> StoreStatistics: ...
+
+    @property
+    def secret(self) -> bytes:
+        """32 random bytes created with the store's schema, the same for every process and
+        host sharing it; readable once :meth:`open` returned (StoreError before). They key
+        the digests of callers' credentials (``CallerScope``), so no scope that is printed,
+        logged or stored can be tested against a dictionary without the store."""
+        ...

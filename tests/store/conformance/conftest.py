@@ -67,6 +67,11 @@ class Backend:
         """The option giving a store's claims a lease of ``seconds`` (none for SQLite)."""
         return {"lease": seconds} if self.leases else {}
 
+    def unopened(self, **options: Any) -> Store:
+        """A store on this test's data that is not opened (nor closed at teardown)."""
+        store: Store = self._factory(self._target, **self.isolation, **options)
+        return store
+
     async def store(self, **options: Any) -> Store:
         """A newly opened store on this test's data: another 'process' or 'host'."""
         if self.clock is not None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["PostgresAdmin"]
 
 _NOW = "extract(epoch FROM clock_timestamp())"
-_TABLES = ("migrations", "counters", "records", "usage", "usage_total")
+_TABLES = ("migrations", "counters", "records", "usage", "usage_total", "meta")
 
 
 class PostgresAdmin:

@@ -14,16 +14,18 @@ rows are locked in (``ORDER BY key``) is plain byte order everywhere.
 
 from __future__ import annotations
 
+from secrets import token_bytes
 from typing import TYPE_CHECKING, Any
 
 from ...errors import StoreError
+from ..base import SECRET_BYTES
 from .function import APPLY_FUNCTION
 from .hits import HITS_FUNCTION
 
 if TYPE_CHECKING:
     from asyncpg import Connection
 
-__all__ = ["SCHEMA_VERSION", "migrate"]
+__all__ = ["SCHEMA_VERSION", "migrate", "read_secret"]
 
 # Each migration is formatted with {s} = the quoted schema name.
 _MIGRATIONS: tuple[str, ...] = (
@@ -67,9 +69,28 @@ _MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (scope, slot)
     );
     """,
+    # 2: the store's secret (Store.secret), 32 random bytes from the OS of the host that
+    # creates it (inserted by migrate(), in this migration's transaction).
+    """
+    CREATE TABLE {s}.meta (
+        name  text COLLATE "C" PRIMARY KEY,
+        value bytea NOT NULL
+    );
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
+_SECRET_VERSION = 2
+
+
+async def read_secret(conn: Connection, schema: str) -> bytes:
+    """The schema's secret (migration 2)."""
+    value: Any = await conn.fetchval(
+        f"SELECT value FROM {quote_schema(schema)}.meta WHERE name = 'secret'"
+    )
+    if value is None:
+        raise StoreError(f"the PostgreSQL schema {schema!r} has no secret; it is damaged")
+    return bytes(value)
 
 
 def quote_schema(schema: str) -> str:
@@ -98,6 +119,11 @@ async def migrate(conn: Connection, schema: str) -> int:
             )
         for number in range(version, SCHEMA_VERSION):
             await conn.execute(_MIGRATIONS[number].format(s=s))
+            if number + 1 == _SECRET_VERSION:
+                await conn.execute(
+                    f"INSERT INTO {s}.meta (name, value) VALUES ('secret', $1)",
+                    token_bytes(SECRET_BYTES),
+                )
             await conn.execute(f"INSERT INTO {s}.migrations (version) VALUES ($1)", number + 1)
         await conn.execute(APPLY_FUNCTION.replace("{s}", s))
         await conn.execute(HITS_FUNCTION.replace("{s}", s))

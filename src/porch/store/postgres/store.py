@@ -46,7 +46,7 @@ from ..urls import redact
 from .claims import ListenerClaims
 from .codec import Op, Renew, arguments, settle
 from .hits import hit_arguments, settle_hits
-from .schema import migrate, quote_schema
+from .schema import migrate, quote_schema, read_secret
 
 if TYPE_CHECKING:
     from .admin import PostgresAdmin
@@ -162,9 +162,17 @@ class PostgresStore:
         self._heartbeat: asyncio.Task[None] | None = None
         self._held: dict[str, int] = {}  # claims this process holds: key -> token
         self._transport_checked = False
+        self._secret: bytes | None = None  # the schema's, read when it is opened
         self._transactions = 0
         self._operations = 0
         self._failures = 0
+
+    @property
+    def secret(self) -> bytes:
+        """The schema's secret (migration 2; see :attr:`porch.store.base.Store.secret`)."""
+        if self._secret is None:
+            raise StoreError(f"the PostgreSQL store (schema {self.schema!r}) is not open")
+        return self._secret
 
     # -- connections -------------------------------------------------------------------
 
@@ -227,9 +235,10 @@ class PostgresStore:
         self._heartbeat = loop.create_task(self._renew_forever(), name="porch-pg-heartbeat")
 
     async def _prepare(self, conn: Any) -> int:
-        """Migrate the schema (the version found before), and say once if the server is
-        reached from another host without TLS and a certificate check."""
+        """Migrate the schema (the version found before), read its secret, and say once if
+        the server is reached from another host without TLS and a certificate check."""
         version = await migrate(conn, self.schema)
+        self._secret = await read_secret(conn, self.schema)
         if not self._transport_checked:
             self._transport_checked = True
             # The server's side of this connection: its address (NULL on a unix socket)

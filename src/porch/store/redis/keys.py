@@ -28,12 +28,14 @@ def _encode(text: str) -> bytes:
 class KeyNames:
     """The Redis names of porch's logical keys under one prefix."""
 
-    __slots__ = ("channel", "prefix", "total_sizes", "total_zset")
+    __slots__ = ("channel", "prefix", "secret", "total_sizes", "total_zset")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         # Save/Release publish the logical key here; each process subscribes once.
         self.channel = _encode(f"{prefix}:wake")
+        # The store's secret (Store.secret): a string of 32 random bytes, no TTL.
+        self.secret = _encode(f"{prefix}:secret")
         # The store-wide byte total is one key pair (outside any caller's slot).
         self.total_zset = _encode(f"{prefix}:qz:{{total}}")
         self.total_sizes = _encode(f"{prefix}:qb:{{total}}")

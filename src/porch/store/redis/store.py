@@ -20,13 +20,14 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
+from secrets import token_bytes
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..._tasks import cancel_and_wait
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
-from ..base import StoreOp, StoreStatistics
+from ..base import SECRET_BYTES, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import RedisClaims
@@ -148,6 +149,7 @@ class RedisStore:
         # Claims this process holds, renewed by the heartbeat: logical key -> token.
         self._held: dict[str, int] = {}
         self._transport_checked = False
+        self._secret: bytes | None = None  # the prefix's, read when it is opened
         self._transactions = 0
         self._operations = 0
         self._failures = 0
@@ -181,6 +183,7 @@ class RedisStore:
         subscriber = self._connect(1)
         try:
             await self._load_scripts(client)
+            self._secret = await self._read_secret(client)
             await self.claims.start(subscriber, self.connect_timeout + self.timeout)
         except BaseException as exc:
             await self.claims.stop()
@@ -200,6 +203,23 @@ class RedisStore:
         self._heartbeat = asyncio.get_running_loop().create_task(
             self._renew_forever(), name="porch-redis-heartbeat"
         )
+
+    async def _read_secret(self, client: Redis) -> bytes:
+        """The prefix's secret: created once by the first store that opens it (SET NX, so
+        every process and host reads the same one), kept without a TTL."""
+        name = self.names.secret
+        await client.set(name, token_bytes(SECRET_BYTES), nx=True)
+        value = await client.get(name)
+        if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
+            raise StoreError(f"the Redis key {name!r} is not a porch secret")
+        return value
+
+    @property
+    def secret(self) -> bytes:
+        """The prefix's secret (see :attr:`porch.store.base.Store.secret`)."""
+        if self._secret is None:
+            raise StoreError(f"the Redis store (prefix {self.prefix}) is not open")
+        return self._secret
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -8,14 +8,17 @@ migration from the one before it. Never edit a released migration: add one.
 from __future__ import annotations
 
 import sqlite3
+from secrets import token_hex
 
 from ...errors import StoreError
+from ..base import SECRET_BYTES
 
 __all__ = [
     "SCHEMA_VERSION",
     "check_not_foreign",
     "enable_incremental_vacuum",
     "migrate",
+    "read_secret",
     "rebase_after_reboot",
     "statements",
 ]
@@ -210,9 +213,20 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX responses_blob ON responses (blob) WHERE blob IS NOT NULL;
     """
     + _RESPONSE_BYTES_TRIGGERS,
+    # 7: the store's secret (Store.secret): 32 random bytes from the OS, hex, created once
+    # with the schema, keying the digests of callers' credentials.
+    """
+    INSERT INTO porch_meta (name, value) VALUES ('secret', :secret);
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+def read_secret(conn: sqlite3.Connection) -> bytes:
+    """The store's secret (see migration 7)."""
+    (value,) = conn.execute("SELECT value FROM porch_meta WHERE name = 'secret'").fetchone()
+    return bytes.fromhex(value)
 
 
 def check_not_foreign(conn: sqlite3.Connection) -> None:
@@ -244,7 +258,11 @@ def migrate(conn: sqlite3.Connection) -> int:
         )
     for number in range(version, SCHEMA_VERSION):
         for statement in statements(_MIGRATIONS[number]):
-            conn.execute(statement)
+            # A migration's only parameter: a new secret (secrets, not SQLite's PRNG).
+            if ":secret" in statement:
+                conn.execute(statement, {"secret": token_hex(SECRET_BYTES)})
+            else:
+                conn.execute(statement)
     if version != SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return int(version)

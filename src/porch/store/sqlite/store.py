@@ -130,6 +130,7 @@ class SQLiteStore(SQLiteWriter):
         self._transactions = 0
         self._operations = 0
         self._failures = 0
+        self._secret: bytes | None = None  # read from the file when it is opened
         # Bodies above 64 KiB: written by a thread of their own before their rows.
         self._blobs = Blobs(
             self.path,
@@ -140,6 +141,13 @@ class SQLiteStore(SQLiteWriter):
             forward=self._queue_job,
         )
         self._bodies = self._blobs
+
+    @property
+    def secret(self) -> bytes:
+        """The file's secret (schema 7; see :attr:`porch.store.base.Store.secret`)."""
+        if self._secret is None:
+            raise StoreError(f"the SQLite store {self.path} is not open")
+        return self._secret
 
     @classmethod
     def temporary(cls, **options: Any) -> SQLiteStore:

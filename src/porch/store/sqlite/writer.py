@@ -29,7 +29,13 @@ from ..base import Durability, Release, Save, StoreOp
 from .claims import SQLiteClaims
 from .ops import apply_batch
 from .saves import Bodies, Heads, has_blob
-from .schema import check_not_foreign, enable_incremental_vacuum, migrate, rebase_after_reboot
+from .schema import (
+    check_not_foreign,
+    enable_incremental_vacuum,
+    migrate,
+    read_secret,
+    rebase_after_reboot,
+)
 from .upkeep import (
     FREE_PAGES,
     HOLD_POLL,
@@ -89,6 +95,7 @@ class SQLiteWriter:
     _operations: int
     _failures: int
     _bodies: Bodies | None
+    _secret: bytes | None
 
     def _connect(self) -> sqlite3.Connection:
         # Client addresses and response bodies: owner-only, whatever the umask. The WAL
@@ -117,6 +124,7 @@ class SQLiteWriter:
         conn.execute("BEGIN IMMEDIATE")
         try:
             migrate(conn)
+            self._secret = read_secret(conn)
             if rebase_after_reboot(
                 conn, self.clock.boot_id(), self.clock.monotonic(), self.clock.wall()
             ):
