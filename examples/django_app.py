@@ -48,7 +48,7 @@ from porch import (  # noqa: E402
     Rule,
     SQLiteStore,
 )
-from porch.wsgi import WSGIMiddleware  # noqa: E402
+from porch.integrations.wsgi import WSGIMiddleware  # noqa: E402
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids

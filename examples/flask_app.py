@@ -24,7 +24,7 @@ from porch import (
     Rule,
     SQLiteStore,
 )
-from porch.wsgi import WSGIMiddleware
+from porch.integrations.wsgi import WSGIMiddleware
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import pytest
 
 from porch.errors import StoreError
-from porch.ownership import ALONE_ABOVE, OWNER, Acquire, Complete, Report
-from porch.pool import Call, KeyPool, Shard
+from porch.idempotency._ownership import ALONE_ABOVE, OWNER, Acquire, Complete, Report
+from porch.pool._pool import Call, KeyPool, Shard
 from porch.store.base import Hit, Lookup, Save, StoredResponse, StoreOp
 from porch.store.sqlite import SQLiteStore
 

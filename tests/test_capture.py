@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from porch import capture
-from porch.capture import REPLAYED_HEADERS, head
+from porch.idempotency import _capture as capture
+from porch.idempotency._capture import REPLAYED_HEADERS, head
 
 # The check as it was before the names cache (capture.py at 256346f), verbatim but names.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")

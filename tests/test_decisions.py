@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from porch import Limit, Rule
-from porch.decisions import HEADER_STYLES, CompiledRule, HeaderStyle, decide
+from porch.ratelimit._decisions import HEADER_STYLES, CompiledRule, HeaderStyle, decide
 from porch.store.base import Hit
 
 

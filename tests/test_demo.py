@@ -6,8 +6,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from porch.cli import main
 from porch.demo import DemoConfig, create_app
+from porch.ops.cli import main
 
 pytestmark = pytest.mark.anyio
 

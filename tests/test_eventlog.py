@@ -20,8 +20,8 @@ from porch import (
     Rule,
     SQLiteStore,
 )
+from porch._eventlog import EventLog
 from porch._types import Receive, Scope, Send
-from porch.eventlog import EventLog
 
 pytestmark = pytest.mark.anyio
 

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from porch.errors import ConfigurationError
-from porch.idempotency_keys import (
+from porch.idempotency._keys import (
     SECRET,
     CallerScope,
     InvalidKey,

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError
-from porch.mailbox import Mailbox
+from porch.pool._mailbox import Mailbox
 
 pytestmark = pytest.mark.anyio
 

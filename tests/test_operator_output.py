@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from porch.cli import main
+from porch.ops.cli import main
 from porch.store.base import Hit, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 
@@ -44,6 +44,6 @@ def test_control_characters_are_escaped_in_the_text_output(
     [("10.0.0.1", "10.0.0.1"), ("caf\xe9 user", "caf\xe9 user"), ("a\\x1b", "a\\\\x1b")],
 )
 def test_printable_text_is_shown_as_is_and_backslashes_escaped(text: str, escaped: str) -> None:
-    from porch.operator import shown
+    from porch.ops._operator import shown
 
     assert shown(text) == escaped

@@ -25,7 +25,7 @@ def test_porch_demo_names_the_extra(missing: str) -> None:
     done = run_without(
         missing,
         ["porch", "demo", "--port", "1"],
-        "from porch.cli import main; sys.exit(main())",
+        "from porch.ops.cli import main; sys.exit(main())",
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
@@ -52,5 +52,5 @@ def test_library_extras_raise_configuration_errors(missing: str, code: str, extr
 
 
 def test_wsgi_needs_no_framework() -> None:
-    done = run_without("starlette", ["x"], "import porch.wsgi; print('ok')")
+    done = run_without("starlette", ["x"], "import porch.integrations.wsgi; print('ok')")
     assert done.stdout.strip() == "ok", done.stderr

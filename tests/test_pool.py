@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
-from porch.pool import Call, KeyPool, Shard
+from porch.pool._pool import Call, KeyPool, Shard
 from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
 from support import NoClaims, settle, until

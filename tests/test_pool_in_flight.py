@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from porch.errors import PoolClosedError, StoreError
-from porch.ownership import OWNER, Acquire, Complete, Report
-from porch.pool import Call, KeyPool, Shard
+from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
+from porch.pool._pool import Call, KeyPool, Shard
 from porch.store.base import Claims, Hit, StoredResponse, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
 from support import NoClaims, settle, until

@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import importlib
+import sys
+
+import pytest
+
 import porch
 import porch.errors
 
@@ -52,16 +57,16 @@ def test_public_surface_is_pinned() -> None:
 
 
 def test_framework_glue_surface_is_pinned() -> None:
-    import porch.fastapi
-    import porch.starlette
+    import porch.integrations.fastapi
+    import porch.integrations.starlette
 
-    assert sorted(porch.starlette.__all__) == [
+    assert sorted(porch.integrations.starlette.__all__) == [
         "RateLimitExceeded",
         "idempotent",
         "install",
         "limit",
     ]
-    assert sorted(porch.fastapi.__all__) == [
+    assert sorted(porch.integrations.fastapi.__all__) == [
         "Idempotency",
         "RateLimit",
         "RateLimitExceeded",
@@ -69,7 +74,20 @@ def test_framework_glue_surface_is_pinned() -> None:
         "install",
         "limit",
     ]
-    assert issubclass(porch.starlette.RateLimitExceeded, porch.RateLimitExceeded)
+    assert issubclass(porch.integrations.starlette.RateLimitExceeded, porch.RateLimitExceeded)
+
+
+@pytest.mark.parametrize("name", ["starlette", "fastapi", "wsgi"])
+def test_moved_modules_keep_a_deprecated_alias(name: str) -> None:
+    """porch.starlette, porch.fastapi and porch.wsgi moved under porch.integrations: the old
+    names still import, with a DeprecationWarning, for one release."""
+    sys.modules.pop(f"porch.{name}", None)
+    with pytest.warns(DeprecationWarning, match=f"porch.integrations.{name}"):
+        alias = importlib.import_module(f"porch.{name}")
+    moved = importlib.import_module(f"porch.integrations.{name}")
+    assert alias.__all__ == moved.__all__
+    for exported in moved.__all__:
+        assert getattr(alias, exported) is getattr(moved, exported)
 
 
 def test_every_error_says_when_it_is_raised() -> None:

@@ -21,8 +21,8 @@ from porch import (
     SQLiteStore,
     StoreError,
 )
+from porch._responses import BytesResponse
 from porch._types import ASGIApp, Message, Receive, Scope, Send
-from porch.responses import BytesResponse
 from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
 from support import NoClaims, until
 

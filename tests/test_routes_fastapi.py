@@ -1,4 +1,4 @@
-"""Per-route limits and idempotency on FastAPI routes (porch.fastapi), in process."""
+"""Per-route limits and idempotency on FastAPI routes (porch.integrations.fastapi), in process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from porch import ConfigurationError, KeyPool, SQLiteStore
-from porch.fastapi import Idempotency, RateLimit, RateLimitExceeded, idempotent, install, limit
+from porch.integrations.fastapi import (
+    Idempotency,
+    RateLimit,
+    RateLimitExceeded,
+    idempotent,
+    install,
+    limit,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""Per-route limits and idempotency on Starlette routes (porch.starlette), in process."""
+"""Per-route limits and idempotency on Starlette routes (porch.integrations.starlette)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
 from porch import ConfigurationError, KeyPool, RateLimitMiddleware, Rule, SQLiteStore
-from porch.starlette import RateLimitExceeded, idempotent, install, limit
+from porch.integrations.starlette import RateLimitExceeded, idempotent, install, limit
 
 pytestmark = pytest.mark.anyio
 

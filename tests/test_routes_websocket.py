@@ -16,7 +16,7 @@ from starlette.websockets import WebSocket
 
 from porch import KeyPool, RateLimitMiddleware, Rule, SQLiteStore
 from porch._types import Message
-from porch.starlette import install, limit
+from porch.integrations.starlette import install, limit
 
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.asyncio.client")

@@ -1,4 +1,4 @@
-"""porch.wsgi under a real WSGI server (wsgiref, on a loopback socket in a thread).
+"""porch.integrations.wsgi under a real WSGI server (wsgiref, on a loopback socket in a thread).
 
 gunicorn with several sync workers is exercised by tests/e2e/test_examples.py
 (Flask, Django); these tests pin the bridge itself: bodies both ways, streaming,
@@ -31,7 +31,7 @@ from porch import (
     Rule,
     SQLiteStore,
 )
-from porch.wsgi import WSGIMiddleware
+from porch.integrations.wsgi import WSGIMiddleware
 
 
 class Quiet(WSGIRequestHandler):

@@ -11,14 +11,17 @@ from .errors import (
     StoreError,
     UnidentifiedCallerError,
 )
-from .idempotency import IdempotencyMiddleware, IdempotencyRule
-from .idempotency_keys import CallerScope, ScopeFunc, authorization_scope
+from .idempotency import (
+    CallerScope,
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    ScopeFunc,
+    authorization_scope,
+)
 from .identity import ClientIdentity, KeyFunc
-from .mailbox import Mailbox, MailboxStatistics
 from .metrics import PorchMetrics
-from .pool import KeyPool, PoolStatistics
-from .ratelimit import PolicyState, RateLimitMiddleware, Refusal, RefusalFactory
-from .rules import Limit, Rule
+from .pool import KeyPool, Mailbox, MailboxStatistics, PoolStatistics
+from .ratelimit import Limit, PolicyState, RateLimitMiddleware, Refusal, RefusalFactory, Rule
 from .store import (
     Durability,
     Quota,

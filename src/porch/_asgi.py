@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Iterable
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .errors import StoreError
-from .pool import KeyPool
+from .pool._pool import KeyPool
 
 logger = logging.getLogger("porch")
 

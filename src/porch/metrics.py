@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError
 
@@ -27,9 +27,23 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from ._types import ASGIApp, Receive, Scope, Send
-    from .pool import KeyPool
 
-__all__ = ["IDEMPOTENCY_OUTCOMES", "UNAVAILABLE_CAUSES", "UNSTORED_REASONS", "PorchMetrics"]
+__all__ = [
+    "IDEMPOTENCY_OUTCOMES",
+    "UNAVAILABLE_CAUSES",
+    "UNSTORED_REASONS",
+    "PorchMetrics",
+    "Watched",
+]
+
+
+class Watched(Protocol):
+    """What the metrics read from a key pool they watch (a KeyPool is one)."""
+
+    def shard_load(self) -> list[tuple[int, int]]:
+        """Per shard: operations queued in its mailbox, and calls parked behind an owner."""
+        ...
+
 
 IDEMPOTENCY_OUTCOMES = ("executed", "replayed", "mismatch", "conflict", "invalid", "too_large")
 UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified")
@@ -115,7 +129,7 @@ class PorchMetrics:
         self.idempotency = {o: self.idempotency_requests.labels(o) for o in IDEMPOTENCY_OUTCOMES}
         self.causes = {c: self.unavailable.labels(c) for c in UNAVAILABLE_CAUSES}
         self.unstored = {r: self.responses_unstored.labels(r) for r in UNSTORED_REASONS}
-        self._pools: list[KeyPool] = []
+        self._pools: list[Watched] = []
         self._depth: Any = None
         self._parked: Any = None
         if self.multiprocess:
@@ -145,7 +159,7 @@ class PorchMetrics:
             self.ratelimit_requests.labels(rule, "refused"),
         )
 
-    def watch(self, pool: KeyPool) -> None:
+    def watch(self, pool: Watched) -> None:
         """Report ``pool``'s mailbox depth and parked waiters (the pool calls this)."""
         if pool not in self._pools:
             self._pools.append(pool)
@@ -205,7 +219,7 @@ class _MetricsApp:
 class _PoolCollector:
     """Mailbox depth and parked waiters of the watched pools, read at scrape time."""
 
-    def __init__(self, pools: list[KeyPool]) -> None:
+    def __init__(self, pools: list[Watched]) -> None:
         self._pools = pools
 
     def collect(self) -> Iterator[Metric]:

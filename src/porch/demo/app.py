@@ -20,13 +20,13 @@ from starlette.routing import Route
 
 from .._asgi import adding_headers
 from .._types import ASGIApp, Receive, Scope, Send
-from ..idempotency import IdempotencyMiddleware, IdempotencyRule
-from ..idempotency_keys import CallerScope
+from ..idempotency._keys import CallerScope
+from ..idempotency._middleware import IdempotencyMiddleware, IdempotencyRule
 from ..identity import ClientIdentity
 from ..metrics import PorchMetrics
-from ..pool import KeyPool
-from ..ratelimit import RateLimitMiddleware
-from ..rules import Limit, Rule
+from ..pool._pool import KeyPool
+from ..ratelimit._middleware import RateLimitMiddleware
+from ..ratelimit._rules import Limit, Rule
 from .checks import (
     MAX_BODY,
     BodyCap,

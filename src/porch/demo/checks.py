@@ -13,8 +13,8 @@ from urllib.parse import parse_qs
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from .._responses import problem
 from .._types import ASGIApp, Receive, Scope, Send
-from ..responses import problem
 
 __all__ = [
     "DEFAULT_PAGE",

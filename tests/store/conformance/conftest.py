@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from porch.clock import ManualClock, SystemClock
-from porch.pool import KeyPool
+from porch.pool._pool import KeyPool
 from porch.store.base import Store
 from servers import missing_backend
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from porch.pool import Call, Shard
+from porch.pool._pool import Call, Shard
 from porch.store.base import Hit, Store, StoreOp
 
 from .conftest import Backend

@@ -14,8 +14,8 @@ import signal
 
 import pytest
 
-from porch.ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
-from porch.pool import KeyPool
+from porch.idempotency._ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
+from porch.pool._pool import KeyPool
 from porch.store.base import Lookup, StoredResponse
 
 from .conftest import Backend

@@ -25,9 +25,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
-from ...eventlog import EventLog
 from ..base import Claims, Durability, Hit, StoreOp, StoreStatistics
 from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available

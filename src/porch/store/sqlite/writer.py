@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..._eventlog import EventLog
 from ..._files import private_directory, private_file, tighten
 from ...clock import Clock
 from ...errors import StoreError
-from ...eventlog import EventLog
 from ..base import Durability, Release, Save, StoreOp
 from .claims import SQLiteClaims
 from .ops import apply_batch

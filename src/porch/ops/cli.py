@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import ConfigurationError
-from .store.urls import redact
+from ..errors import ConfigurationError
+from ..store.urls import redact
 
 __all__ = ["main"]
 
@@ -93,7 +93,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import __version__, operator
+    from .. import __version__
+    from . import _operator as operator
 
     parser = argparse.ArgumentParser(prog="porch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"porch {__version__}")
@@ -117,9 +118,9 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from .demo.config import CONFIG_ENV, DemoConfig
-    from .pool import KeyPool
-    from .rules import Limit
+    from ..demo.config import CONFIG_ENV, DemoConfig
+    from ..pool._pool import KeyPool
+    from ..ratelimit._rules import Limit
 
     try:
         config = DemoConfig(

@@ -9,7 +9,7 @@ both rules say ``shared=True`` and have the same limits.
 
 from __future__ import annotations
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = ["Namespaces"]
 

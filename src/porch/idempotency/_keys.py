@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 
-from ._types import Scope
-from .errors import ConfigurationError, UnidentifiedCallerError
-from .identity import UNKNOWN_CLIENT, ClientIdentity, KeyFunc
+from .._types import Scope
+from ..errors import ConfigurationError, UnidentifiedCallerError
+from ..identity import UNKNOWN_CLIENT, ClientIdentity, KeyFunc
 
 __all__ = [
     "SECRET",

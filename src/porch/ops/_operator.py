@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import ConfigurationError, StoreError
-from .store.admin import StoreAdmin, admin_for
-from .store.urls import redact
+from ..errors import ConfigurationError, StoreError
+from ..store.admin import StoreAdmin, admin_for
+from ..store.urls import redact
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -55,7 +55,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _admin(args: argparse.Namespace) -> StoreAdmin:
-    from .store import SQLiteStore, open_store
+    from ..store import SQLiteStore, open_store
 
     if args.store is not None:
         return admin_for(open_store(args.store))

@@ -14,10 +14,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._asgi import pass_through, route_path
-from ._types import ASGIApp, Message, Receive, Scope, Send
-from .capture import Capture
-from .errors import (
+from .._asgi import pass_through, route_path
+from .._paths import normalize_method
+from .._responses import BytesResponse, problem
+from .._types import ASGIApp, Message, Receive, Scope, Send
+from ..errors import (
     ConfigurationError,
     ForwardingHeaderError,
     PoolClosedError,
@@ -25,8 +26,11 @@ from .errors import (
     StoreError,
     UnidentifiedCallerError,
 )
-from .idempotency_events import IdempotencyEvents
-from .idempotency_keys import (
+from ..pool._pool import KeyPool
+from ..store.base import Quota, StoredResponse
+from ._capture import Capture
+from ._events import IdempotencyEvents
+from ._keys import (
     SECRET,
     CallerScope,
     InvalidKey,
@@ -34,12 +38,8 @@ from .idempotency_keys import (
     parse_key,
     scope_digest,
 )
-from .idempotency_rules import IdempotencyRule, select
-from .ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
-from .pool import KeyPool
-from .responses import BytesResponse, problem
-from .rules import normalize_method
-from .store.base import Quota, StoredResponse
+from ._ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
+from ._rules import IdempotencyRule, select
 
 __all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyRule"]
 
@@ -111,7 +111,7 @@ class IdempotencyMiddleware:
         self._scope: ScopeFunc = scope if scope is not None else CallerScope()
         self.ttl = float(ttl)
         # Response header names this middleware's handlers sent, as checked (capture.head).
-        self._names: dict[bytes, bytes] = {}
+        self.header_names: dict[bytes, bytes] = {}
         self.wait_timeout = float(wait_timeout)
         self.max_body = max_body
         self.max_stored = max_stored
@@ -296,7 +296,7 @@ class IdempotencyMiddleware:
             except asyncio.CancelledError:
                 # Cancelled just as ownership arrived: the claim must not be left held.
                 if future.done() and not future.cancelled() and future.result() is OWNER:
-                    self._report(key, acquire.token, caller, None, shard)
+                    self.report_owner(key, acquire.token, caller, None, shard)
                 raise
         except TimeoutError:
             self.events.event(
@@ -363,7 +363,7 @@ class IdempotencyMiddleware:
             if not capture.reported:
                 capture.report(None)
 
-    def _report(
+    def report_owner(
         self, key: str, token: int, caller: str, response: StoredResponse | None, shard: int
     ) -> asyncio.Future[Report]:
         """Send the owner's report to ``shard``, the one its Acquire went to."""

@@ -13,12 +13,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ._asgi import adding_headers, pass_through, route_path, websocket_denial
-from ._types import ASGIApp, Receive, Scope, Send
-from .clock import Clock, SystemClock
-from .decisions import CompiledRule as _CompiledRule
-from .decisions import HeaderStyle, PolicyState, Refusal, check_header_style, decide, remembered_hit
-from .errors import (
+from .._asgi import adding_headers, pass_through, route_path, websocket_denial
+from .._eventlog import EventLog
+from .._paths import normalize_method
+from .._responses import problem
+from .._types import ASGIApp, Receive, Scope, Send
+from ..clock import Clock, SystemClock
+from ..errors import (
     ConfigurationError,
     ForwardingHeaderError,
     PoolClosedError,
@@ -26,14 +27,21 @@ from .errors import (
     SaturatedError,
     StoreError,
 )
-from .eventlog import EventLog
-from .identity import ClientIdentity, KeyFunc
-from .pool import KeyPool
-from .refusals import RefusalMemory
-from .responses import problem
-from .rules import Rule, normalize_method
-from .shard import Call, Shard
-from .store.base import Hit, StoreOp
+from ..identity import ClientIdentity, KeyFunc
+from ..pool._pool import KeyPool
+from ..pool._shard import Call, Shard
+from ..store.base import Hit, StoreOp
+from ._decisions import CompiledRule as _CompiledRule
+from ._decisions import (
+    HeaderStyle,
+    PolicyState,
+    Refusal,
+    check_header_style,
+    decide,
+    remembered_hit,
+)
+from ._refusals import RefusalMemory
+from ._rules import Rule
 
 __all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
 

@@ -5,6 +5,15 @@ to the batch (``Call.prepare``), applies the batch in one store transaction
 (group commit) and replies to every caller only after that transaction is
 committed (``Call.finish``). Everything a shard does for a key runs on its one
 task, so its volatile per-key state (``Shard.parked``) needs no locks.
+
+A remote store (``in_flight > 1``) has several of a shard's batches applying at
+once: its round trip, not its server's work, bounds one batch, so the next is
+prepared and sent while earlier ones are out. Each batch is prepared only once
+every earlier batch was, and its calls are answered only once every earlier
+batch's were, so a key's state in ``Shard.parked`` moves exactly as with one
+batch in flight: a key has at most one Claim, Save or Release out at a time
+(its callers park on the key meanwhile), and the store decides concurrent
+batches' hits exactly under its own locks (row locks, a single-threaded server).
 """
 
 from __future__ import annotations
@@ -12,16 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import PoolClosedError, StoreError
-from .mailbox import Mailbox
-from .overlapped import run_overlapped
+from ..errors import PoolClosedError, StoreError
+from ._mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from .metrics import PorchMetrics
-    from .store.base import Store, StoreOp
+    from ..metrics import PorchMetrics
+    from ..store.base import Store, StoreOp
 
 __all__ = ["Call", "Pace", "Parked", "Shard", "own_method"]
 
@@ -110,7 +119,7 @@ class Shard:
     def start(self) -> None:
         self.busy = False
         depth = self.store.in_flight
-        run = self._run() if depth <= 1 else run_overlapped(self, depth)
+        run = self._run() if depth <= 1 else self._run_overlapped(depth)
         self._task = asyncio.get_running_loop().create_task(run, name=f"porch-shard-{self.index}")
 
     def abandon(self, exc: BaseException) -> None:
@@ -169,6 +178,64 @@ class Shard:
                 continue
             self._finish(batch)
 
+    async def _run_overlapped(self, depth: int) -> None:
+        """The actor of a remote store's shard: up to ``depth`` batches applying at once,
+        replies in batch order (see the module doc)."""
+        receive = self.mailbox.receive_batch
+        loop = asyncio.get_running_loop()
+        pending: deque[_Applying] = deque()
+        room: list[asyncio.Future[None]] = []  # the actor, waiting for a batch to be done
+
+        def settled(_: object) -> None:
+            while pending and pending[0].done.done():
+                self._reply(pending.popleft())
+            if room:
+                waiter = room.pop()
+                if not waiter.done():
+                    waiter.set_result(None)
+
+        def applying() -> int:
+            return sum(1 for entry in pending if entry.task is not None and not entry.done.done())
+
+        async def wait(full: Callable[[], bool]) -> None:
+            while full():
+                waiter = loop.create_future()
+                room.append(waiter)
+                await waiter
+
+        while True:
+            batch = await receive()
+            if not batch:
+                break
+            entry = _Applying(batch, loop.create_future())
+            try:
+                for call in batch:
+                    call.prepare(self, entry.ops)
+            except Exception as exc:  # failed in its turn, like a failed transaction
+                entry.done.set_exception(exc)
+            else:
+                if entry.ops:
+                    entry.started = loop.time()
+                    entry.task = loop.create_task(self.store.apply(entry.ops))
+                    entry.task.add_done_callback(entry.applied)
+                else:
+                    entry.done.set_result(None)
+            entry.done.add_done_callback(settled)
+            pending.append(entry)
+            # Only batches the store is applying take room (one that needed no op does not).
+            await wait(lambda: applying() >= depth)
+        await wait(lambda: bool(pending))  # closing: the batches out are answered first
+
+    def _reply(self, entry: _Applying) -> None:
+        """Answer an overlapped batch's calls, once it and every batch before are done."""
+        exc = entry.done.exception()
+        if exc is not None:
+            self._fail(entry.batch, exc)
+            return
+        if self.metrics is not None and entry.ops:
+            self.metrics.committed(entry.finished - entry.started, len(entry.ops))
+        self._finish(entry.batch)
+
     def _finish(self, batch: list[Call]) -> None:
         """Reply to every call of a committed batch."""
         for call in batch:
@@ -176,9 +243,7 @@ class Shard:
                 call.finish(self)
             except Exception:  # a bug in one reply must not strand the others
                 logger.exception("porch shard %d: a reply failed", self.index)
-        metrics = self.metrics
-        if metrics is not None and metrics.multiprocess:
-            metrics.shard_state(self.index, len(self.mailbox), self.waiters())
+        self._report_state()
 
     def _fail(self, batch: list[Call], exc: BaseException) -> None:
         """Fail every call of a batch whose transaction failed."""
@@ -190,6 +255,12 @@ class Shard:
                 call.fail(self, error)
             except Exception:
                 logger.exception("porch shard %d: a reply failed", self.index)
+        self._report_state()
+
+    def _report_state(self) -> None:
+        metrics = self.metrics
+        if metrics is not None and metrics.multiprocess:
+            metrics.shard_state(self.index, len(self.mailbox), self.waiters())
 
     async def close(self) -> None:
         closed = PoolClosedError("the key pool closed before this call was answered")
@@ -243,3 +314,26 @@ class _Replies:
             shard._finish(self.batch)
         else:
             shard._fail(self.batch, error)
+
+
+class _Applying:
+    """One batch of an overlapped shard: its calls, its ops, and when its apply is done."""
+
+    __slots__ = ("batch", "done", "finished", "ops", "started", "task")
+
+    def __init__(self, batch: list[Call], done: asyncio.Future[None]) -> None:
+        self.batch = batch
+        self.ops: list[StoreOp] = []
+        self.done = done
+        self.task: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
+        self.started = 0.0
+        self.finished = 0.0
+
+    def applied(self, task: asyncio.Task[None]) -> None:
+        self.finished = task.get_loop().time()
+        if task.cancelled():
+            self.done.set_exception(StoreError("the batch was cancelled"))
+        elif (exc := task.exception()) is not None:
+            self.done.set_exception(exc)
+        else:
+            self.done.set_result(None)

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from .errors import PoolClosedError, StoreError
-from .shard import Call, Shard
-from .store.base import BIG_BODY, Claim, Quota, Release, Save, StoredResponse, StoreOp
+from ..errors import PoolClosedError, StoreError
+from ..pool._shard import Call, Shard
+from ..store.base import BIG_BODY, Claim, Quota, Release, Save, StoredResponse, StoreOp
 
 __all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]
 

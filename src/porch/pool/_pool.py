@@ -3,7 +3,7 @@
 A key always reaches shard ``crc32(key) % N``, so everything about one key is
 serialized through one actor without locks. A shard drains its whole mailbox,
 applies the batch in one store transaction (group commit) and replies to every
-caller only after that transaction is committed (see :mod:`porch.shard`).
+caller only after that transaction is committed (see :mod:`porch.pool._shard`).
 
 The pool follows the event loop it is used on. Its actors are tasks of one
 loop; when it is used from another loop while that one has stopped (each
@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ConfigurationError, PoolClosedError, StoreError
-from .mailbox import MailboxStatistics
-from .namespaces import Namespaces
-from .shard import Call, Pace, Shard, own_method
+from ..errors import ConfigurationError, PoolClosedError, StoreError
+from ._mailbox import MailboxStatistics
+from ._namespaces import Namespaces
+from ._shard import Call, Pace, Shard, own_method
 
 if TYPE_CHECKING:
-    from .metrics import PorchMetrics
-    from .store.base import Store, StoreOp, StoreStatistics
+    from ..metrics import PorchMetrics
+    from ..store.base import Store, StoreOp, StoreStatistics
 
 __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
 

@@ -13,11 +13,11 @@ import logging
 import os
 import threading
 
-from ..pool import KeyPool
+from ...pool._pool import KeyPool
 
 __all__ = ["BackgroundLoop"]
 
-logger = logging.getLogger("porch.wsgi")
+logger = logging.getLogger("porch.integrations.wsgi")
 
 # Stopping at exit is bounded: a wedged store must not hold the worker's exit forever.
 _STOP_TIMEOUT = 10.0

@@ -1,6 +1,6 @@
 """Limits and idempotency declared on a route, and the guard wrapped around that route's app.
 
-Framework-free: :mod:`porch.starlette` finds the declarations (decorators on
+Framework-free: :mod:`porch.integrations.starlette` finds the declarations (decorators on
 endpoints, FastAPI dependencies) and wraps each route's ASGI app with a guard
 built here from the very middlewares the app level uses, over the app's one
 pool, so a route answers exactly as the middlewares do (same headers, same
@@ -15,17 +15,18 @@ from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any
 
-from ._types import ASGIApp, Receive, Scope, Send
-from .decisions import HeaderStyle
-from .errors import ConfigurationError, RateLimitExceeded
-from .eventlog import EventLog
-from .idempotency import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
-from .idempotency_keys import ScopeFunc
-from .identity import KeyFunc
-from .pool import KeyPool
-from .ratelimit import RateLimitMiddleware, Refusal, RefusalFactory, default_refusal
-from .rules import Limit, Rule, normalize_method
-from .store.base import Quota
+from .._eventlog import EventLog
+from .._paths import normalize_method
+from .._types import ASGIApp, Receive, Scope, Send
+from ..errors import ConfigurationError, RateLimitExceeded
+from ..idempotency._keys import ScopeFunc
+from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
+from ..identity import KeyFunc
+from ..pool._pool import KeyPool
+from ..ratelimit._decisions import HeaderStyle
+from ..ratelimit._middleware import RateLimitMiddleware, Refusal, RefusalFactory, default_refusal
+from ..ratelimit._rules import Limit, Rule
+from ..store.base import Quota
 
 _logger = logging.getLogger("porch.routes")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .clock import Clock
+from ..clock import Clock
 
 __all__ = ["RefusalMemory", "Remembered"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .capture import TOKEN
-from .errors import ConfigurationError
-from .rules import normalize_method, path_matches
+from .._paths import normalize_method, path_matches
+from ..errors import ConfigurationError
+from ._capture import TOKEN
 
 __all__ = ["IdempotencyRule", "select"]
 

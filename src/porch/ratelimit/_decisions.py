@@ -1,7 +1,7 @@
 """A rate-limit decision as the client sees it: the headers, and the refusal if refused.
 
 Shared by decisions the store takes and refusals answered from memory
-(:mod:`porch.refusals`), so both say the same thing.
+(:mod:`porch.ratelimit._refusals`), so both say the same thing.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .errors import ConfigurationError
-from .refusals import Remembered
-from .rules import Limit, Rule
-from .store.base import Hit
+from ..errors import ConfigurationError
+from ..store.base import Hit
+from ._refusals import Remembered
+from ._rules import Limit, Rule
 
 __all__ = [
     "HEADER_STYLES",

@@ -11,17 +11,15 @@ import asyncio
 import logging
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ._types import Message, Send
-from .errors import PoolClosedError, StoreError
-from .ownership import Report
-from .store.base import StoredResponse
+from .._types import Message, Send
+from ..errors import PoolClosedError, StoreError
+from ..store.base import StoredResponse
+from ._events import IdempotencyEvents
+from ._ownership import Report
 
-if TYPE_CHECKING:
-    from .idempotency import IdempotencyMiddleware
-
-__all__ = ["REPLAYED_HEADERS", "TOKEN", "Capture", "storable"]
+__all__ = ["REPLAYED_HEADERS", "TOKEN", "Capture", "Owner", "storable"]
 
 logger = logging.getLogger("porch.idempotency")
 
@@ -32,6 +30,21 @@ _UNSTORED_STATUSES = frozenset({408, 409, 425, 429})
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What servers refuse to send in a header value (the set uvicorn checks): CTLs but HTAB.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class Owner(Protocol):
+    """What a capture reports to (the idempotency middleware that made it)."""
+
+    max_stored: int
+    events: IdempotencyEvents
+    header_names: dict[bytes, bytes]
+    """Response header names found valid, and their replayed form (see :func:`head`)."""
+
+    def report_owner(
+        self, key: str, token: int, caller: str, response: StoredResponse | None, shard: int
+    ) -> asyncio.Future[Report]:
+        """Save ``response`` (None: release the key) for the owner holding ``token``."""
+        ...
 
 
 def storable(status: int) -> bool:
@@ -116,8 +129,8 @@ class Capture:
         "headers",
         "invalid",
         "key",
-        "middleware",
         "oversized",
+        "owner",
         "reported",
         "send",
         "shard",
@@ -130,7 +143,7 @@ class Capture:
     def __init__(
         self,
         send: Send,
-        middleware: IdempotencyMiddleware,
+        owner: Owner,
         key: str,
         token: int,
         caller: str,
@@ -138,7 +151,7 @@ class Capture:
         shard: int,
     ) -> None:
         self.send = send
-        self.middleware = middleware
+        self.owner = owner
         self.key = key
         self.token = token
         self.caller = caller
@@ -155,13 +168,13 @@ class Capture:
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
-        return self.middleware._report(self.key, self.token, self.caller, response, self.shard)
+        return self.owner.report_owner(self.key, self.token, self.caller, response, self.shard)
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
-            self.headers, self.invalid = head(message.get("headers", ()), self.middleware._names)
+            self.headers, self.invalid = head(message.get("headers", ()), self.owner.header_names)
             # Held until the first body chunk: a one-chunk response (the usual
             # kind) then leaves as head and body together, after its commit,
             # not as a head now and a body a commit later.
@@ -171,7 +184,7 @@ class Capture:
             chunk: bytes = message.get("body", b"")
             if not self.oversized:
                 self.size += len(chunk)
-                if self.size > self.middleware.max_stored:
+                if self.size > self.owner.max_stored:
                     self.oversized = True
                     self.chunks.clear()
                 else:
@@ -196,7 +209,7 @@ class Capture:
             elif self.oversized:
                 logger.warning(
                     "porch: response over max_stored=%d bytes was not stored; key released",
-                    self.middleware.max_stored,
+                    self.owner.max_stored,
                 )
             self.report(None)
             return
@@ -207,7 +220,7 @@ class Capture:
             # The handler's work is done: deliver the response, but say
             # loudly that a retry will not be able to replay it.
             # Throttled: with the store down, every owner would say it.
-            self.middleware.events.log.event(
+            self.owner.events.log.event(
                 logging.ERROR,
                 ("store", "save"),
                 asyncio.get_running_loop().time(),
@@ -220,9 +233,9 @@ class Capture:
             )
             return
         if outcome == "quota":
-            self.middleware.events.over_quota(self.caller)
+            self.owner.events.over_quota(self.caller)
         elif outcome == "fenced":
-            self.middleware.events.count_unstored("fenced")
+            self.owner.events.count_unstored("fenced")
             # Another owner claimed the key meanwhile (this claim had ended): its
             # response is the stored one; this one is delivered but never replayed.
             logger.error(

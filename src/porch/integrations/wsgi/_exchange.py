@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-from .._types import ASGIApp, Message, Receive, Scope, Send
-from .environ import scope_of, status_line
+from ..._types import ASGIApp, Message, Receive, Scope, Send
+from ._environ import scope_of, status_line
 
 __all__ = ["Exchange", "StartResponse", "WSGIApp", "wsgi_app"]
 
@@ -31,7 +31,7 @@ _CHUNK = 64 * 1024
 
 async def wsgi_app(scope: Scope, receive: Receive, send: Send) -> None:
     """The WSGI app as the middlewares see it: asks the server's thread to run it."""
-    exchange: Exchange = scope["porch.wsgi"]
+    exchange: Exchange = scope["porch.integrations.wsgi"]
     body = await exchange.body_if_read(receive)
     status, headers = await exchange.ask("run", body)
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -135,7 +135,7 @@ class Exchange:
     def run(self, loop: asyncio.AbstractEventLoop) -> Iterator[bytes]:
         self.loop = loop
         scope = scope_of(self.environ)
-        scope["porch.wsgi"] = self
+        scope["porch.integrations.wsgi"] = self
         future = asyncio.run_coroutine_threadsafe(self.serve(scope), loop)
         future.add_done_callback(lambda f: self.inbox.put(("done", None, f)))
         return self._respond(future)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ._types import Scope
-from .errors import ForwardingHeaderError, PorchError, UnidentifiedCallerError
-from .eventlog import EventLog
-from .idempotency_keys import ScopeFunc
-from .metrics import PorchMetrics
-from .store.base import Quota
+from .._eventlog import EventLog
+from .._types import Scope
+from ..errors import ForwardingHeaderError, PorchError, UnidentifiedCallerError
+from ..metrics import PorchMetrics
+from ..store.base import Quota
+from ._keys import ScopeFunc
 
 __all__ = ["IdempotencyEvents"]
 

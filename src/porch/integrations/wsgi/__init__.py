@@ -1,13 +1,13 @@
 """WSGI apps (Flask, Django) behind porch's middlewares, on one background event loop.
 
 The limiter and idempotency are the ASGI middlewares, unchanged: a WSGI
-request becomes an ASGI scope (:mod:`porch.wsgi.environ`) and runs through
+request becomes an ASGI scope (:mod:`porch.integrations.wsgi._environ`) and runs through
 them on an event loop thread that this package starts at the first request (in
 each worker process, after any fork) and stops at exit, closing the pool first
-(:mod:`porch.wsgi.loop`). The WSGI app itself runs on the server's own thread,
+(:mod:`porch.integrations.wsgi._loop`). The WSGI app itself runs on the server's own thread,
 never on the loop: the ASGI side asks that thread for what it needs — a chunk
 of the request body, the app's response head, its next body chunk — and hands
-back what the client gets, one message at a time (:mod:`porch.wsgi.exchange`).
+back what the client gets, one message at a time (:mod:`porch.integrations.wsgi._exchange`).
 So a response streams as the app produces it, the request body is read only if
 a middleware or the app reads it, and the idempotency middleware captures the
 response (status, headers, the body iterable, whose ``close()`` is always
@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._types import ASGIApp
-from ..errors import ConfigurationError
-from ..pool import KeyPool
-from .exchange import Exchange, StartResponse, WSGIApp, wsgi_app
-from .loop import BackgroundLoop
+from ..._types import ASGIApp
+from ...errors import ConfigurationError
+from ...pool._pool import KeyPool
+from ._exchange import Exchange, StartResponse, WSGIApp, wsgi_app
+from ._loop import BackgroundLoop
 
 __all__ = ["WSGIApp", "WSGIMiddleware"]
 

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from .errors import ConfigurationError, PoolClosedError, SaturatedError
+from ..errors import ConfigurationError, PoolClosedError, SaturatedError
 
 __all__ = ["Mailbox", "MailboxStatistics"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .decisions import HeaderStyle
-from .routes import RouteIdempotency, RouteLimit
+from ..ratelimit._decisions import HeaderStyle
+from ._routes import RouteIdempotency, RouteLimit
 
 __all__ = ["document"]
 

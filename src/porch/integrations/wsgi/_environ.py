@@ -5,7 +5,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from .._types import Scope
+from ..._types import Scope
 
 __all__ = ["scope_of", "status_line"]
 

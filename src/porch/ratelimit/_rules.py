@@ -14,9 +14,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import ConfigurationError
+from .._paths import compile_path, normalize_method, path_matches
+from ..errors import ConfigurationError
 
-__all__ = ["Limit", "Rule", "compile_path", "normalize_method", "path_matches"]
+__all__ = ["Limit", "Rule"]
 
 # Names travel in a structured-field string (RateLimit-Policy) and in store keys.
 _NAME = re.compile(r"[A-Za-z0-9_.:/+{}-]{1,64}\Z")
@@ -31,10 +32,6 @@ _UNITS = {
 # "5/minute", "5 per minute", "10/5s", "10 per 5 minutes", "100/day".
 _RATE = re.compile(r"\s*(\d+)\s*(?:/|\s+per\s+)\s*(\d+(?:\.\d+)?)?\s*([A-Za-z]+)\s*\Z", re.I)
 _RATE_FORM = "'<amount>/<unit>' or '<amount> per [<count>] <unit>', e.g. '5/minute', '10/5s'"
-
-# A path may hold templates: {id} (one segment; {id:int} and the like too), {rest:path}.
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z_]+))?\}")
-_PATH_CHARS = re.compile(r"/[!-~]*\Z")  # printable ASCII, no spaces or control bytes
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -206,41 +203,3 @@ def _derived_name(path: str, methods: frozenset[str] | None) -> str:
     if methods is None:
         return "default" if path == "/" else path
     return "+".join(sorted(methods)) + ":" + path
-
-
-def compile_path(path: str) -> re.Pattern[str] | None:
-    """A prefix matcher for a path with ``{param}`` templates, or None for a plain prefix."""
-    if _PATH_CHARS.match(path) is None:
-        raise ConfigurationError(
-            f"rule path must be printable ASCII without spaces (percent-encode the rest),"
-            f" got {path!r}"
-        )
-    if "{" not in path and "}" not in path:
-        return None
-    parts: list[str] = []
-    end = 0
-    for match in _PLACEHOLDER.finditer(path):
-        parts.append(re.escape(path[end : match.start()]))
-        parts.append(".+" if match.group(2) == "path" else "[^/]+")
-        end = match.end()
-    rest = path[end:]
-    if "{" in rest or "}" in rest or any("{" in p or "}" in p for p in parts):
-        raise ConfigurationError(
-            f"rule path templates are {{name}} or {{name:convertor}} (letters, digits, _),"
-            f" got {path!r}"
-        )
-    parts.append(re.escape(rest))
-    # Segment-wise like a prefix: the template itself, or anything below it.
-    return re.compile("".join(parts) + r"(?:/|\Z)")
-
-
-def normalize_method(method: str) -> str:
-    """The method a rule compares: upper-cased (h11 passes ``post`` through as sent), and
-    ``HEAD`` as ``GET`` — a HEAD runs the GET handler, so it must not slip past GET's limits."""
-    method = method.upper()
-    return "GET" if method == "HEAD" else method
-
-
-def path_matches(prefix: str, path: str) -> bool:
-    """Whether ``path`` equals ``prefix`` or lies below it (segment-wise: /api is not /apiary)."""
-    return prefix == "/" or path == prefix or (path.startswith(prefix) and path[len(prefix)] == "/")

@@ -1,0 +1,358 @@
+"""Per-route limits and idempotency for Starlette (and FastAPI) apps.
+
+Declare on the endpoint, install once the routes are defined::
+
+    from porch.integrations.starlette import idempotent, install, limit
+
+    @limit("5/minute")
+    @idempotent()
+    async def follow(request): ...
+
+    app = Starlette(routes=[Route("/users/{id}/follow", follow, methods=["POST"])])
+    install(app, pool)        # the same pool the app-level middlewares use
+
+Each declared route's ASGI app is wrapped by a guard (:mod:`porch.integrations._routes`), so
+only requests the router hands to that route count — never a 404, a 405 or a
+trailing-slash redirect. A refusal is raised as :class:`RateLimitExceeded` (an
+``HTTPException``) when the app has a handler for it or for status 429, and
+otherwise answered exactly as :class:`~porch.RateLimitMiddleware` answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeVar, cast
+
+from .. import errors
+from .._eventlog import EventLog
+from .._responses import problem
+from ..clock import SystemClock
+from ..errors import ConfigurationError, StoreError
+from ..idempotency._keys import ScopeFunc
+from ..idempotency._middleware import DEFAULT_QUOTA
+from ..identity import KeyFunc
+from ..pool._pool import KeyPool
+from ..ratelimit._decisions import HeaderStyle, Refusal, check_header_style
+from ..ratelimit._middleware import RefusalFactory
+from ..ratelimit._rules import Limit
+from ..store.base import Quota
+from ._routes import GUARDS, RouteIdempotency, RouteLimit, guard, raising_refusal
+
+try:
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Host, Mount, Route, WebSocketRoute
+except ImportError as exc:  # pragma: no cover - exercised without starlette installed
+    raise ImportError(
+        "porch.integrations.starlette needs Starlette: pip install 'porch[starlette]'"
+    ) from exc
+
+__all__ = ["RateLimitExceeded", "idempotent", "install", "limit"]
+
+logger = logging.getLogger("porch.routes")
+
+E = TypeVar("E", bound=Callable[..., Any])
+_DECLARED = "__porch_route__"
+# Set on what install() guarded (a route, or FastAPI's context of an included one).
+_GUARDED = "_porch_installed"
+
+
+class RateLimitExceeded(errors.RateLimitExceeded, HTTPException):
+    """Raised when a route-level limit refuses a request and the app handles it (429, with the
+    rate-limit headers in ``headers``; ``refusal`` says which policies were violated)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        errors.RateLimitExceeded.__init__(self, refusal)
+        HTTPException.__init__(
+            self,
+            429,
+            detail=str(errors.RateLimitExceeded.__str__(self)),
+            headers=self.rate_limit_headers,
+        )
+
+    def __str__(self) -> str:
+        return f"rate limit exceeded; retry in {self.refusal.retry_after} s"
+
+
+def limit(
+    rate: str | Limit | Iterable[Limit | str],
+    *,
+    key: KeyFunc | None = None,
+    name: str | None = None,
+    shared: bool = False,
+    dry_run: bool = False,
+    fail_open: bool = False,
+) -> Callable[[E], E]:
+    """Declare a rate limit on an endpoint (function or endpoint class; HTTP or WebSocket).
+
+    Several rates in one declaration (``"100/day; 10/second"``) are one rule,
+    checked all-or-nothing; so are several ``@limit`` with the same key and options.
+    """
+    declaration = RouteLimit(
+        rate, key=key, name=name, shared=shared, dry_run=dry_run, fail_open=fail_open
+    )
+    return functools.partial(_declare, declaration)
+
+
+def idempotent(
+    *,
+    required: bool = False,
+    methods: Iterable[str] | None = None,
+    digest_headers: Iterable[str] = (),
+    scope: ScopeFunc | None = None,
+    ttl: float = 86400.0,
+    wait_timeout: float = 30.0,
+    max_body: int = 1 << 20,
+    max_stored: int = 1 << 20,
+    quota: Quota = DEFAULT_QUOTA,
+) -> Callable[[E], E]:
+    """Honour ``Idempotency-Key`` on an endpoint's unsafe methods (see IdempotencyMiddleware)."""
+    declaration = RouteIdempotency(
+        required=required,
+        methods=methods,
+        digest_headers=digest_headers,
+        scope=scope,
+        ttl=ttl,
+        wait_timeout=wait_timeout,
+        max_body=max_body,
+        max_stored=max_stored,
+        quota=quota,
+    )
+    return functools.partial(_declare, declaration)
+
+
+def _declare(declaration: RouteLimit | RouteIdempotency, endpoint: E) -> E:
+    declared = getattr(endpoint, _DECLARED, None)
+    if declared is None:
+        declared = []
+        endpoint = _checked(endpoint, declared)
+        setattr(endpoint, _DECLARED, declared)
+    declared.append(declaration)
+    return endpoint
+
+
+def _checked(endpoint: E, declared: list[RouteLimit | RouteIdempotency]) -> E:
+    """An endpoint function that refuses (503, logged) when its route was never installed: a
+    declared limit that silently does not apply would be worse than none. (An endpoint class
+    is returned as it is: install() finds its declarations all the same.)"""
+    if not inspect.isfunction(endpoint):
+        return endpoint
+    log = EventLog(logger)
+    clock = SystemClock()
+
+    def guarded() -> bool:
+        if not GUARDS.get().isdisjoint(map(id, declared)):
+            return True
+        log.event(
+            logging.ERROR,
+            "not installed",
+            clock.monotonic(),
+            60.0,
+            "porch: %r declares limits or idempotency but its route was never installed;"
+            " call install(app, pool) (porch.integrations.starlette) after adding the routes"
+            " (answering 503)",
+            endpoint.__qualname__,
+            outcome="not installed",
+            status=503,
+        )
+        return False
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def checked(*args: Any, **kwargs: Any) -> Any:
+            if not guarded():
+                return _not_installed()
+            return await endpoint(*args, **kwargs)
+
+        wrapper: Callable[..., Any] = checked
+    else:
+
+        @functools.wraps(endpoint)
+        def checked_sync(*args: Any, **kwargs: Any) -> Any:
+            if not guarded():
+                return _not_installed()
+            return endpoint(*args, **kwargs)
+
+        wrapper = checked_sync
+    with contextlib.suppress(NameError):
+        # The endpoint's parameters with their annotations resolved in its own module:
+        # FastAPI before 0.11x resolves string annotations in the wrapper's (this one).
+        wrapper.__signature__ = inspect.signature(endpoint, eval_str=True)  # type: ignore[attr-defined]
+    return cast(E, wrapper)
+
+
+def _not_installed() -> Any:
+    from starlette.responses import Response
+
+    response = problem(503, "this route's limits are not installed", cause="configuration")
+    return Response(response.body, 503, media_type="application/problem+json")
+
+
+def install(
+    app: Any,
+    pool: KeyPool,
+    *,
+    key: KeyFunc | None = None,
+    headers: HeaderStyle = "both",
+    manage_pool: bool = True,
+) -> int:
+    """Guard every route of ``app`` (Starlette or FastAPI: included routers, mounts, hosts and
+    mounted apps too) that declares limits or idempotency; returns how many. Call it once the
+    routes are added.
+
+    Every counter namespace is claimed on ``pool`` here, so a name clash is a
+    ConfigurationError now, not at the first request. ``key`` is the default client
+    key of route limits (default: the peer host), ``headers`` the rate-limit fields their
+    responses carry (see :class:`~porch.RateLimitMiddleware`). At startup (the app's
+    lifespan) the routes are walked again, so routes added after this call are guarded
+    too; ``manage_pool`` also opens the pool then and closes it at shutdown.
+    """
+    if not isinstance(pool, KeyPool):
+        raise ConfigurationError("pool must be a porch KeyPool")
+    check_header_style(headers)
+    routes = getattr(app, "routes", None)
+    if routes is None:
+        raise ConfigurationError(f"install() needs a Starlette or FastAPI app, got {app!r}")
+    on_refused = raising_refusal(RateLimitExceeded)
+
+    def guard_all() -> int:
+        guarded = 0
+        for route, path in _walk(app.routes, ""):
+            if _guard(route, path, pool, key, headers, on_refused):
+                guarded += 1
+        if guarded and hasattr(app, "openapi_schema"):
+            app.openapi_schema = None  # FastAPI caches its schema: rebuild with the additions
+        return guarded
+
+    guarded = guard_all()
+    router = getattr(app, "router", None)
+    if router is not None and hasattr(router, "lifespan_context"):
+        router.lifespan_context = _at_startup(
+            router.lifespan_context, guard_all, pool if manage_pool else None
+        )
+    return guarded
+
+
+def _guard(
+    route: Any,
+    path: str,
+    pool: KeyPool,
+    key: KeyFunc | None,
+    headers: HeaderStyle,
+    on_refused: RefusalFactory,
+) -> bool:
+    """Wrap ``route.app`` in porch's guard if it declares anything; whether it is guarded."""
+    if getattr(route, _GUARDED, False):
+        return True
+    declared = _declarations(route)
+    if not declared:
+        return False
+    limits = [d for d in declared if isinstance(d, RouteLimit)]
+    idempotency = [d for d in declared if isinstance(d, RouteIdempotency)]
+    websocket = isinstance(route, WebSocketRoute)
+    route.app = guard(
+        route.app,
+        pool=pool,
+        path=path,
+        methods=None if websocket else getattr(route, "methods", None),
+        websocket=websocket,
+        limits=limits,
+        idempotency=idempotency,
+        key=key,
+        on_refused=on_refused,
+        headers=headers,
+    )
+    setattr(route, _GUARDED, True)
+    _document(route, limits, idempotency, headers)
+    return True
+
+
+def _walk(routes: Iterable[Any], prefix: str) -> Iterable[tuple[Any, str]]:
+    """Every route that runs an endpoint, with its full path template: inside mounts, hosts
+    and mounted apps, and inside FastAPI's included routers.
+
+    What is yielded has the ``app`` the router calls for that route: the route itself, or,
+    for a route of a router FastAPI includes lazily (0.13x and newer), FastAPI's context for
+    that inclusion (its own app, full path and dependencies: the router's and the
+    ``include_router`` call's too). Older FastAPI copies included routes into the app.
+    """
+    for route in routes:
+        if isinstance(route, Mount | Host):
+            inner = prefix + route.path if isinstance(route, Mount) else prefix
+            yield from _walk(route.routes, inner)
+        elif isinstance(route, Route | WebSocketRoute):
+            yield route, prefix + route.path
+        else:
+            contexts = getattr(route, "effective_route_contexts", None)
+            if contexts is None:
+                continue
+            for context in contexts():
+                inner = context.starlette_route
+                if inner is None:  # an APIRoute: its context holds this inclusion's app
+                    yield context, prefix + context.path
+                else:  # a plain route, mount or host, copied for this inclusion
+                    yield from _walk([inner], prefix)
+
+
+def _declarations(route: Any) -> list[RouteLimit | RouteIdempotency]:
+    """Declarations on the endpoint (decorators) and in FastAPI dependencies, in order."""
+    found: list[RouteLimit | RouteIdempotency] = list(getattr(route.endpoint, _DECLARED, ()))
+    dependant = getattr(route, "dependant", None)
+    stack = list(getattr(dependant, "dependencies", ()))
+    seen: set[int] = set()
+    while stack:
+        dependency = stack.pop(0)
+        call = getattr(dependency, "call", None)
+        if isinstance(call, RouteLimit | RouteIdempotency) and id(call) not in seen:
+            seen.add(id(call))
+            found.append(call)
+        stack.extend(getattr(dependency, "dependencies", ()))
+    return found
+
+
+def _document(
+    route: Any,
+    limits: list[RouteLimit],
+    idempotency: list[RouteIdempotency],
+    headers: HeaderStyle,
+) -> None:
+    """FastAPI: 429 and 503 responses and the Idempotency-Key header in the route's schema."""
+    responses = getattr(route, "responses", None)
+    if not isinstance(responses, dict):
+        return
+    from ._openapi import document
+
+    document(route, responses, limits, idempotency, headers)
+
+
+def _at_startup(
+    lifespan: Callable[[Any], AbstractAsyncContextManager[Any]],
+    guard_all: Callable[[], int],
+    pool: KeyPool | None,
+) -> Callable[[Any], AbstractAsyncContextManager[Any]]:
+    """The app's lifespan, which first guards routes added since install() and, given the
+    pool, opens it at startup and closes it at shutdown."""
+
+    @asynccontextmanager
+    async def with_porch(app: Any) -> AsyncIterator[Any]:
+        guard_all()
+        async with lifespan(app) as state:
+            if pool is None:
+                yield state
+                return
+            try:
+                await pool.start()
+            except (StoreError, OSError) as exc:
+                # As the middlewares do: serve, answer 503 until the store opens.
+                logger.error("porch: cannot open the store, answering 503 until it opens: %s", exc)
+            try:
+                yield state
+            finally:
+                await pool.close()
+
+    return with_porch
