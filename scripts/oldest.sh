@@ -23,5 +23,5 @@ fi
 echo "== pytest, oldest frameworks ($(.venv-oldest/bin/python -m pip list 2>/dev/null \
     | awk '$1 ~ /^(starlette|fastapi)$/ {printf "%s %s ", $1, $2}'))" >&2
 exec .venv-oldest/bin/python -m pytest -p no:cacheprovider "$@" \
-    tests/test_routes_fastapi.py tests/test_routes_starlette.py tests/test_routes_websocket.py \
-    tests/test_ratelimit.py tests/test_idempotency.py
+    tests/integrations/test_fastapi.py tests/integrations/test_starlette.py tests/integrations/test_websocket.py \
+    tests/ratelimit/test_middleware.py tests/idempotency/test_middleware.py

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["NoClaims", "settle", "sqlite_claims", "until", "wait_until"]
+__all__ = ["HOSTILE_BODIES", "NoClaims", "settle", "sqlite_claims", "until", "wait_until"]
 
 # Long enough for a loaded 2-core machine; a condition that holds is seen at once anyway.
 DEADLINE = 10.0
@@ -69,3 +69,26 @@ class NoClaims:
         self, key: str, wake: Callable[[], None], retry_after: float | None
     ) -> Callable[[], None]:
         raise AssertionError("nothing is ever held elsewhere in this fake store")
+
+
+# Every one of these answered 500 or was accepted before the demo validated its input.
+HOSTILE_BODIES: list[tuple[bytes, int]] = [
+    (b"{", 400),
+    (b"[1]", 400),
+    (b"\xff", 400),
+    (b"[" * 300_000 + b"]" * 300_000, 413),  # over the body cap before it is parsed
+    (b"[" * 30_000 + b"]" * 30_000, 400),  # RecursionError in json
+    (b'{"item": "x", "qty": ' + b"9" * 5000 + b"}", 400),  # past int()'s digit limit
+    (b'{"item": "", "qty": 1}', 422),
+    (b'{"item": "x", "qty": 0}', 422),
+    (b'{"item": "x", "qty": true}', 422),
+    (b'{"item": "x", "qty": 1.5}', 422),
+    (b'{"item": "x", "qty": "1"}', 422),
+    (b'{"item": 3, "qty": 1}', 422),
+    (b'{"item": ["x"], "qty": 1}', 422),
+    (b'{"item": "x", "qty": 99999999999999999999999}', 422),  # OverflowError in SQLite
+    (b'{"item": "x", "qty": 9223372036854775808}', 422),
+    (b'{"item": "\\ud800", "qty": 1}', 422),  # a lone surrogate: UnicodeEncodeError
+    (b'{"item": "x\\udfffy", "qty": 1}', 422),
+    (b'{"item": "' + b"x" * (64 * 1024 + 1) + b'", "qty": 1}', 422),
+]

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from demo_server import DemoLauncher, launch_demos, order_rows, read_response
 
+from support import HOSTILE_BODIES
+
 pytestmark = [pytest.mark.e2e]
 
 BIG = 30 << 20
@@ -28,8 +30,6 @@ def demo(tmp_path: Path) -> Iterator[DemoLauncher]:
 
 
 def test_hostile_bodies_are_refused_never_500(demo: DemoLauncher) -> None:
-    from test_demo import HOSTILE_BODIES
-
     server = demo.start(limit=10_000, window=60)
     with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
         for n, (body, status) in enumerate(HOSTILE_BODIES):

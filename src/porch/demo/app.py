@@ -140,7 +140,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     )
     app.state.pool = pool
     # No trailing-slash redirects: the redirect URL is built by decoding the query
-    # string as UTF-8, so "GET /orders/?\x80" answered 500 (found by tests/test_fuzz.py).
+    # string as UTF-8, so "GET /orders/?\x80" answered 500 (found by tests/demo/test_fuzz.py).
     app.router.redirect_slashes = False
     # A declared body over the cap is refused before anything reads or counts it.
     app.add_middleware(BodyCap, cap=MAX_BODY)
