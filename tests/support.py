@@ -8,11 +8,25 @@ on a loaded machine and makes a passing test say nothing.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["HOSTILE_BODIES", "NoClaims", "settle", "sqlite_claims", "until", "wait_until"]
+import pytest
+
+__all__ = [
+    "HOSTILE_BODIES",
+    "NoClaims",
+    "in_thread",
+    "settle",
+    "sqlite_claims",
+    "until",
+    "wait_until",
+]
+
+T = TypeVar("T")
 
 # Long enough for a loaded 2-core machine; a condition that holds is seen at once anyway.
 DEADLINE = 10.0
@@ -35,6 +49,31 @@ def wait_until(condition: Callable[[], object], what: str = "", within: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {within} s: {what or condition}")
         time.sleep(0.01)
+
+
+def in_thread(call: Callable[[], T], within: float) -> T:
+    """``call()`` in a daemon thread; fail (instead of hanging the suite) if it does not return.
+
+    For what may hang the calling thread itself: an event loop's end (a runner
+    waiting on a task that missed its cancel), a TestClient request.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    if thread.is_alive():
+        pytest.fail(f"hung for {within} s")
+    if error:
+        raise error[0]
+    return result[0]
 
 
 async def settle(turns: int = 50) -> None:

@@ -41,6 +41,7 @@ from porch import (
     open_store,
 )
 from porch._types import ASGIApp
+from support import in_thread
 
 T = TypeVar("T")
 DEADLINE = 30.0  # generous: the machine is shared; a hang is forever
@@ -48,23 +49,7 @@ DEADLINE = 30.0  # generous: the machine is shared; a hang is forever
 
 def within(call: Callable[[], T], seconds: float = DEADLINE) -> T:
     """``call()`` in a thread; fail (instead of hanging the suite) if it does not return."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(call())
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        pytest.fail(f"hung for {seconds} s")
-    if error:
-        raise error[0]
-    return result[0]
+    return in_thread(call, seconds)
 
 
 def build(pool: KeyPool, limit: int = 3) -> tuple[ASGIApp, list[int]]:

@@ -205,7 +205,8 @@ class KeyPool:
         # The store too: its claims belonged to callers of the stopped loop, and its
         # loop-bound parts (futures, wake-ups, connections) go with them.
         try:
-            await asyncio.wait_for(self.store.close(), _CLOSE_TIMEOUT)
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await self.store.close()
         except Exception as exc:  # the store is opened again next, which may still work
             logger.warning("porch: closing the store of a stopped event loop failed: %r", exc)
 

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._tasks import stop_task
 from ..errors import PoolClosedError, StoreError
 from ._mailbox import Mailbox
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 __all__ = ["Call", "Pace", "Parked", "Shard", "own_method"]
 
 logger = logging.getLogger("porch.pool")
+
+# How long close() waits for a shard to answer the batches it took, before cancelling it.
+_CLOSE_TIMEOUT = 30.0
 
 # A store's optional ``apply_then(ops, done)``: apply, then call ``done(error or None)``.
 _ApplyThen = Callable[[list["StoreOp"], Callable[[BaseException | None], None]], None]
@@ -266,9 +270,15 @@ class Shard:
         closed = PoolClosedError("the key pool closed before this call was answered")
         for call in self.mailbox.close():
             call.fail(self, closed)
-        if self._task is not None:
-            await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            # It answers what it took before it ends (each batch bounded by the store's
+            # own deadlines); past this bound it is cancelled, never waited on forever.
+            await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT)
+            if task.done():
+                await task  # its own failure, if any, surfaces here
+            else:
+                await stop_task(task)
         for state in list(self.parked.values()):
             state.close(closed)
         self.parked.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -14,10 +15,14 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from porch import KeyPool, Limit, RateLimitMiddleware, Rule, open_store
+from porch.store.postgres import PostgresStore
+from support import in_thread
 
 pytestmark = pytest.mark.postgres
 
 asyncpg = pytest.importorskip("asyncpg")
+
+DEADLINE = 20.0  # a loaded machine ends a loop in well under a second; a hang is forever
 
 
 async def settled_connections(url: str, name: str, at_most: int) -> int:
@@ -64,3 +69,44 @@ def test_each_loop_change_closes_the_old_connections_quietly(
     asyncio.run(pool.close())  # from yet another loop: quiet too
     assert asyncio.run(settled_connections(postgres_url, name, 0)) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class _ListeningAsTheLoopEnds:
+    """A LISTEN connection whose LISTEN reply arrives just as its event loop ends."""
+
+    def __init__(self, conn: Any, replied: asyncio.Event) -> None:
+        self._conn = conn
+        self._replied = replied
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def add_listener(self, channel: str, callback: Any) -> None:
+        await self._conn.add_listener(channel, callback)
+        # The loop's main coroutine returns now, and the runner cancels every task
+        # (once) in the very turn this reply is handed back to the listener.
+        self._replied.set()
+        await asyncio.sleep(0)
+
+
+def test_a_loop_that_ends_as_the_listener_starts_listening_ends(postgres_url: str) -> None:
+    """The hang of TestClient without ``with``: a loop's end cancels each task once (asyncio.run,
+    anyio, a TestClient portal) and waits for all of them. Python 3.11's wait_for swallowed the
+    cancel meeting the LISTEN reply, the listener went on to wait for its connection to drop,
+    and the loop's end waited for it forever."""
+    schema = f"loops_{uuid.uuid4().hex[:12]}"
+    store = PostgresStore(postgres_url, schema=schema)
+    connect = store.claims._connect
+
+    async def main() -> None:
+        replied = asyncio.Event()
+
+        async def listening_as_the_loop_ends() -> Any:
+            return _ListeningAsTheLoopEnds(await connect(), replied)
+
+        store.claims._connect = listening_as_the_loop_ends
+        await store.open()
+        await replied.wait()
+
+    in_thread(lambda: asyncio.run(main()), DEADLINE)
+    in_thread(lambda: asyncio.run(store.close()), DEADLINE)  # from another loop, as a pool moves

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..._tasks import cancel_and_wait
+from ..._tasks import stop_if_cancelled, stop_task
 
 __all__ = ["ListenerClaims"]
 
@@ -76,12 +76,8 @@ class ListenerClaims:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None and task.get_loop() is asyncio.get_running_loop():
-            await cancel_and_wait(task)
-        elif task is not None and not task.done():
-            # Its loop stopped (the store moved to this one): it never runs again.
-            with contextlib.suppress(RuntimeError):
-                task.cancel()
+        # Of a loop that stopped (the store moved to this one), it is only cancelled.
+        await stop_task(task)
         self._drop_connection()
         for watches in list(self._watchers.values()):
             for w in watches:
@@ -103,9 +99,14 @@ class ListenerClaims:
             lost = asyncio.Event()
             conn: Any = None
             try:
+                stop_if_cancelled()
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                await asyncio.wait_for(conn.add_listener(self.channel, self._notified), 5.0)
+                async with asyncio.timeout(5.0):
+                    await conn.add_listener(self.channel, self._notified)
+                # Asked to stop while connecting (a cancel some await lost): never wait
+                # on the connection then, or the loop's end waits on this task forever.
+                stop_if_cancelled()
             except BaseException as exc:
                 if conn is not None and not conn.is_closed():
                     conn.terminate()  # made, but not listening: never left open

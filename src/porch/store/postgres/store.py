@@ -29,7 +29,6 @@ by itself when the server is back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -37,7 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..._tasks import cancel_and_wait
+from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
@@ -178,8 +177,8 @@ class PostgresStore:
 
     async def _connect(self) -> Any:
         try:
-            return await asyncio.wait_for(
-                self._asyncpg.connect(
+            async with asyncio.timeout(self.connect_timeout + 0.5):
+                return await self._asyncpg.connect(
                     self.url,
                     timeout=self.connect_timeout,
                     command_timeout=None,
@@ -190,9 +189,7 @@ class PostgresStore:
                             int(self.statement_timeout * 1000)
                         ),
                     },
-                ),
-                self.connect_timeout + 0.5,
-            )
+                )
         except TimeoutError as exc:
             raise StoreError(
                 f"PostgreSQL did not accept a connection within {self.connect_timeout:g}s"
@@ -208,9 +205,8 @@ class PostgresStore:
             return
         conn = await self._connect()
         try:
-            version = await asyncio.wait_for(
-                self._prepare(conn), self.statement_timeout + self.connect_timeout
-            )
+            async with asyncio.timeout(self.statement_timeout + self.connect_timeout):
+                version = await self._prepare(conn)
         except TimeoutError as exc:
             conn.terminate()
             raise StoreError("PostgreSQL did not answer while migrating the schema") from exc
@@ -262,9 +258,8 @@ class PostgresStore:
         if self._loop is not asyncio.get_running_loop():
             await self._close_after_loop()
             return
-        if self._heartbeat is not None:
-            await cancel_and_wait(self._heartbeat)
-            self._heartbeat = None
+        await stop_task(self._heartbeat)
+        self._heartbeat = None
         if self._held:
             # End this process's claims now, rather than at their lease's end.
             ops = [Release(key, token) for key, token in sorted(self._held.items())]
@@ -275,8 +270,12 @@ class PostgresStore:
         self._queue = None
         for _ in self._workers:
             queue.put_nowait(None)
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers.clear()
+        # Each ends after its batch in flight (bounded by its statement deadline).
+        workers, self._workers = self._workers, []
+        if workers:
+            await asyncio.wait(workers, timeout=self.statement_timeout + STOP_TIMEOUT)
+        for worker in workers:
+            await stop_task(worker)  # one still running is cancelled; every error retrieved
         await self.claims.stop()
 
     async def _close_after_loop(self) -> None:
@@ -289,9 +288,7 @@ class PostgresStore:
         """
         self._queue = None
         for task in (self._heartbeat, *self._workers):
-            if task is not None and not task.done():
-                with contextlib.suppress(RuntimeError):  # its loop is closed
-                    task.cancel()
+            await stop_task(task)  # of the stopped loop: cancelled, never awaited
         self._heartbeat = None
         self._workers.clear()
         held, self._held = self._held, {}
@@ -300,9 +297,8 @@ class PostgresStore:
             try:
                 conn = await self._connect()
                 try:
-                    await asyncio.wait_for(
-                        conn.fetch(self._sql, *self._arguments(ops, {})), self.statement_timeout
-                    )
+                    async with asyncio.timeout(self.statement_timeout):
+                        await conn.fetch(self._sql, *self._arguments(ops, {}))
                 finally:
                     await _close(conn)
             except Exception as exc:
@@ -333,7 +329,8 @@ class PostgresStore:
         queue.put_nowait((ops, future))
         deadline = self.statement_timeout + 1.0
         try:
-            await asyncio.wait_for(asyncio.shield(future), deadline)
+            async with asyncio.timeout(deadline):
+                await asyncio.shield(future)  # a caller that gives up leaves the batch be
         except TimeoutError as exc:
             future.cancel()  # a worker that has not started it skips it
             self._failures += 1
@@ -343,6 +340,7 @@ class PostgresStore:
 
     async def _renew_forever(self) -> None:
         while True:
+            stop_if_cancelled()
             await asyncio.sleep(self.lease / 3)
             if not self._held:
                 continue
@@ -360,6 +358,7 @@ class PostgresStore:
             return
         try:
             while True:
+                stop_if_cancelled()
                 job = await queue.get()
                 if job is None:
                     return
@@ -388,16 +387,14 @@ class PostgresStore:
                 conn = await self._connect()
             sent, alike = collapse_hits(ops)
             if sent and all(type(op) is Hit for op in sent):  # the limiter: a lean function
-                rows = await asyncio.wait_for(
-                    conn.fetch(self._hits_sql, *hit_arguments(sent, alike, self.prune_batch)),
-                    self.statement_timeout + 0.5,
-                )
+                async with asyncio.timeout(self.statement_timeout + 0.5):
+                    rows = await conn.fetch(
+                        self._hits_sql, *hit_arguments(sent, alike, self.prune_batch)
+                    )
                 settle_hits(sent, alike, rows)
             else:
-                rows = await asyncio.wait_for(
-                    conn.fetch(self._sql, *self._arguments(sent, alike)),
-                    self.statement_timeout + 0.5,
-                )
+                async with asyncio.timeout(self.statement_timeout + 0.5):
+                    rows = await conn.fetch(self._sql, *self._arguments(sent, alike))
                 settle(sent, alike, rows, self._held)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
@@ -438,6 +435,7 @@ class PostgresStore:
 
 async def _close(conn: Any) -> None:
     try:
-        await asyncio.wait_for(conn.close(), 1.0)
+        async with asyncio.timeout(1.0):
+            await conn.close()
     except Exception:
         conn.terminate()

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..._tasks import cancel_and_wait
+from ..._tasks import stop_if_cancelled, stop_task
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -34,6 +34,8 @@ _RECENT_FOR = 2.0
 _RECENT_MAX = 4096
 # The backstop timer fires this long after the lease's end, so the re-claim finds it lapsed.
 _AFTER_LEASE = 0.05
+# Closing the subscription never waits longer on a server that does not answer.
+_CLOSE_TIMEOUT = 1.0
 
 
 class _Watch:
@@ -103,15 +105,16 @@ class RedisClaims:
             self._listen(client), name="porch-redis-claims"
         )
         try:
-            await asyncio.wait_for(self._subscribed.wait(), wait)
+            async with asyncio.timeout(wait):
+                await self._subscribed.wait()
         except TimeoutError:
             await self.stop()
             raise
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            await cancel_and_wait(task)
+        # Of a loop that stopped (the store moved to this one), it is only cancelled.
+        await stop_task(task)
         for watches in list(self.watches.values()):
             for watch in list(watches):
                 watch.cancel()
@@ -121,10 +124,15 @@ class RedisClaims:
         first = True
         failing = False
         while True:
+            # A cancel that redis-py lost (Python 3.11's wait_for, in its send path) still
+            # ends this task before it waits on the channel again: see porch._tasks.
+            stop_if_cancelled()
             pubsub = client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
+                stop_if_cancelled()
                 async for message in pubsub.listen():
+                    stop_if_cancelled()
                     kind = message["type"]
                     if kind == "message":
                         self._dispatch(message["data"])
@@ -174,4 +182,5 @@ class RedisClaims:
 async def _close(pubsub: Any) -> None:
     # Already broken, perhaps: nothing is left to close cleanly then.
     with contextlib.suppress(Exception):
-        await pubsub.aclose()
+        async with asyncio.timeout(_CLOSE_TIMEOUT):
+            await pubsub.aclose()

@@ -24,7 +24,7 @@ from secrets import token_bytes
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..._tasks import cancel_and_wait
+from ..._tasks import stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
 from ..base import SECRET_BYTES, StoreOp, StoreStatistics
@@ -47,6 +47,8 @@ logger = logging.getLogger("porch.store")
 
 # Pipelines a process keeps in flight; batches queued meanwhile leave together next.
 _PIPELINES_IN_FLIGHT = 2
+# Closing a client never waits longer on a server that does not answer.
+_CLOSE_TIMEOUT = 1.0
 
 
 def _check_transport(url: str, client: Redis) -> None:
@@ -144,6 +146,7 @@ class RedisStore:
         self._lease_ms = max(1, math.ceil(lease * 1000))
         self._client: Redis | None = None
         self._subscriber: Redis | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
         self._heartbeat: asyncio.Task[None] | None = None
         self._group: GroupPipeline | None = None
         # Claims this process holds, renewed by the heartbeat: logical key -> token.
@@ -200,8 +203,9 @@ class RedisStore:
         self._group = GroupPipeline(
             functools.partial(self._send, client), limit=_PIPELINES_IN_FLIGHT
         )
-        self._heartbeat = asyncio.get_running_loop().create_task(
-            self._renew_forever(), name="porch-redis-heartbeat"
+        loop = self._loop = asyncio.get_running_loop()
+        self._heartbeat = loop.create_task(
+            self._renew_forever(client, subscriber), name="porch-redis-heartbeat"
         )
 
     async def _read_secret(self, client: Redis) -> bytes:
@@ -228,27 +232,43 @@ class RedisStore:
         group, self._group = self._group, None
         if group is not None:
             self._transactions += group.pipelines
-        if self._heartbeat is not None:
-            await cancel_and_wait(self._heartbeat)
-            self._heartbeat = None
+        subscriber, self._subscriber = self._subscriber, None
+        heartbeat, self._heartbeat = self._heartbeat, None
         held, self._held = self._held, {}
-        if held:
-            # Waiters elsewhere need not wait out the lease of a process that is leaving.
-            try:
-                await self._execute(
-                    client,
-                    [
-                        ("release", [self.names.record(k)], [str(t), self.names.channel, k])
-                        for k, t in held.items()
-                    ],
-                )
-            except StoreError as exc:
-                logger.warning("porch: releasing claims at close failed (%s); they lapse", exc)
+        if self._loop is not asyncio.get_running_loop():
+            # The loop the store ran on stopped (the pool moved to this one): nothing of
+            # it is awaited (it never runs again). Its clients were closed as it ended
+            # (see _renew_forever); this process's claims are ended from this loop.
+            await stop_task(heartbeat)
+            await self.claims.stop()
+            if held:
+                client = self._connect(2)
+                try:
+                    await self._release(client, held)
+                finally:
+                    await _close_client(client)
+            return
+        await stop_task(heartbeat)
+        await self._release(client, held)
         await self.claims.stop()
-        if self._subscriber is not None:
-            await _close_client(self._subscriber)
-            self._subscriber = None
+        if subscriber is not None:
+            await _close_client(subscriber)
         await _close_client(client)
+
+    async def _release(self, client: Redis, held: dict[str, int]) -> None:
+        """End the claims ``held`` at once: waiters elsewhere need not wait out their lease."""
+        if not held:
+            return
+        try:
+            await self._execute(
+                client,
+                [
+                    ("release", [self.names.record(k)], [str(t), self.names.channel, k])
+                    for k, t in held.items()
+                ],
+            )
+        except StoreError as exc:
+            logger.warning("porch: releasing claims at close failed (%s); they lapse", exc)
 
     def admin(self) -> RedisAdmin:
         """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
@@ -330,13 +350,27 @@ class RedisStore:
 
     # -- the heartbeat -------------------------------------------------------------
 
-    async def _renew_forever(self) -> None:
+    async def _renew_forever(self, client: Redis, subscriber: Redis) -> None:
+        try:
+            await self._renew(client)
+        except asyncio.CancelledError:
+            if self._client is client:
+                # Cancelled, but not by close(): this loop is ending (asyncio.run, each
+                # request of TestClient without ``with``). Its connections can be closed
+                # only now, on it; close() runs later, on another loop.
+                await _close_client(subscriber)
+                await _close_client(client)
+            raise
+
+    async def _renew(self, client: Redis) -> None:
         failing = False
         while True:
+            # A cancel that the driver lost (Python 3.11's wait_for, inside redis-py)
+            # still ends this loop: see porch._tasks.
+            stop_if_cancelled()
             await asyncio.sleep(self.lease / 3)
-            client = self._client
             held = list(self._held.items())
-            if client is None or not held:
+            if not held:
                 continue
             try:
                 results = await self._execute(
@@ -358,7 +392,8 @@ class RedisStore:
 
 async def _close_client(client: Redis) -> None:
     try:
-        await client.aclose()
-        await client.connection_pool.disconnect()
+        async with asyncio.timeout(_CLOSE_TIMEOUT):
+            await client.aclose()
+            await client.connection_pool.disconnect()
     except Exception as exc:  # closing a broken connection: nothing left to save
         logger.debug("porch: closing a Redis client: %s", exc)
