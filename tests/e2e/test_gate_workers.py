@@ -26,7 +26,14 @@ from typing import Any
 
 import httpx
 import pytest
-from demo_server import DemoLauncher, DemoServer, launch_demos, order_rows, read_response
+from demo_server import (
+    DemoLauncher,
+    DemoServer,
+    launch_demos,
+    order_rows,
+    parked_waiters,
+    read_response,
+)
 
 from support import sqlite_claims, wait_until
 
@@ -505,8 +512,14 @@ def test_parked_waiters_across_workers_cost_no_cpu(demo: DemoLauncher) -> None:
                 asyncio.create_task(c.http.post("/orders", content=body, headers=headers))
                 for c in conns[1:]
             ]
-            # All duplicates are sent and parked about 1 s in; the owner ends at ~4 s.
-            await asyncio.sleep(max(0.0, started + 1.0 - time.monotonic()))
+            # Every duplicate parked (the workers' porch_parked_waiters gauges), well
+            # before the owner ends at ~4 s.
+            await asyncio.to_thread(
+                wait_until,
+                lambda: parked_waiters(server) == len(dup_tasks),
+                "every duplicate parked",
+                20.0,
+            )
             assert not owner_task.done()
             assert not any(t.done() for t in dup_tasks), "a duplicate was answered early"
             before = {pid: cpu_seconds(pid) for pid in workers}

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from porch.store.base import Claim, Release, Save, Store, StoredResponse
+from support import settle
 
 from .conftest import Backend
 
@@ -26,12 +27,28 @@ LONG_LEASE = 30.0
 WOKEN_WITHIN = 5.0  # generous: the machine is loaded
 
 
-class Waiter:
-    """A watch on one key: an event set by ``wake`` (counted), and its cancel function."""
+class Phase:
+    """The test's current step, which every wake records.
 
-    def __init__(self, store: Store, key: str, retry_after: float | None) -> None:
+    A wake that comes too early shows in its phase at the end of the test, however
+    late it came: no sleep waiting for one to turn up.
+    """
+
+    def __init__(self) -> None:
+        self.now = "watching"
+
+
+class Waiter:
+    """A watch on one key: an event set by ``wake`` (counted, with the test's phase at
+    each wake), and its cancel function."""
+
+    def __init__(
+        self, store: Store, key: str, retry_after: float | None, phase: Phase | None = None
+    ) -> None:
         self.woken = asyncio.Event()
         self.wakes = 0
+        self.phase = phase or Phase()
+        self.woken_in: list[str] = []
         self.loop = asyncio.get_running_loop()
         self.on_loop = True
         self.cancel = store.claims.watch(key, self._wake, retry_after)
@@ -42,6 +59,7 @@ class Waiter:
         except RuntimeError:  # called from a thread, not the loop
             self.on_loop = False
         self.wakes += 1
+        self.woken_in.append(self.phase.now)
         self.woken.set()
 
     async def wait(self, within: float = WOKEN_WITHIN) -> None:
@@ -62,16 +80,18 @@ async def test_a_waiter_is_woken_when_the_holder_saves(backend: Backend) -> None
     mine = Claim("w:save")
     await owner.apply([mine])
     held = await held_claim(waiters_store, "w:save")
-    first = Waiter(waiters_store, "w:save", held.retry_after)
-    second = Waiter(waiters_store, "w:save", held.retry_after)
-    await asyncio.sleep(0.3)
-    assert first.wakes == 0  # nothing changed yet
+    phase = Phase()
+    first = Waiter(waiters_store, "w:save", held.retry_after, phase)
+    second = Waiter(waiters_store, "w:save", held.retry_after, phase)
     response = StoredResponse(b"d", 200, (), b"done")
     save = Save("w:save", response, 60.0, token=mine.token)
+    phase.now = "saving"
     await owner.apply([save])
     assert save.outcome == "saved"
     await first.wait()
     await second.wait()
+    # Nothing woke them before the save (a wake while nothing changed shows here).
+    assert set(first.woken_in) == set(second.woken_in) == {"saving"}
     again = Claim("w:save")
     await waiters_store.apply([again])
     assert again.stored == response
@@ -104,7 +124,9 @@ async def test_a_cancelled_watch_is_not_woken(backend: Backend) -> None:
     cancelled.cancel()
     await owner.apply([Release("w:cancel", mine.token)])
     await control.wait()
-    await asyncio.sleep(0.5)
+    # The release's one notification wakes every watch of the key together: a wrongly
+    # woken cancelled watch would be a few loop turns behind the control, at most.
+    await settle()
     assert cancelled.wakes == 0
 
 
@@ -115,12 +137,18 @@ async def test_a_waiter_is_woken_when_the_holder_process_is_killed(backend: Back
     waiters_store = await backend.store()
     held = await held_claim(waiters_store, "w:killed")
     waiter = Waiter(waiters_store, "w:killed", held.retry_after)
+    waiter.phase.now = "killed"
     os.kill(holder.pid, signal.SIGKILL)
     await waiter.wait()
+    assert set(waiter.woken_in) == {"killed"}
     taken = Claim("w:killed")
     await waiters_store.apply([taken])
-    if taken.held:  # a lease backend may wake a moment early; the lease ends within 1 s
-        await asyncio.sleep(1.5)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WOKEN_WITHIN
+    # A lease backend may wake a moment early (its timer vs the server's clock): the
+    # lease ends within 1 s of the kill, so claim again until then.
+    while taken.held and loop.time() < deadline:
+        await asyncio.sleep(0.05)
         taken = Claim("w:killed")
         await waiters_store.apply([taken])
     assert (taken.held, taken.token > holder.token) == (False, True)
@@ -131,15 +159,18 @@ async def test_waiting_costs_no_cpu_and_another_process_saving_wakes(backend: Ba
     waiters_store = await backend.store()
     held = await held_claim(waiters_store, "w:idle")
     waiter = Waiter(waiters_store, "w:idle", held.retry_after)
-    await asyncio.sleep(0.2)  # settle: connections, threads
+    # A measurement, not an order: the CPU this process spends over 2 s of waiting
+    # (after 0.2 s for the watch's connections and threads to start).
+    await asyncio.sleep(0.2)
     cpu = time.process_time()
     await asyncio.sleep(2.0)
     spent = time.process_time() - cpu
-    assert waiter.wakes == 0
     # This process (every thread) spent well under a tenth of the wait: no polling.
     assert spent < 0.2, f"{spent:.3f} s of CPU while waiting 2 s"
+    waiter.phase.now = "saving"
     assert await holder.send("save 60 from another process") == {"outcome": "saved"}
     await waiter.wait()
+    assert set(waiter.woken_in) == {"saving"}  # waiting all along, not woken early
     again = Claim("w:idle")
     await waiters_store.apply([again])
     assert again.stored is not None

@@ -16,6 +16,7 @@ from porch.errors import StoreError
 from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.claims import KeyLocks, SQLiteClaims, ofd_locks_available
+from support import settle, until
 
 pytestmark = pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 
@@ -284,18 +285,32 @@ async def test_watch_wakes_when_the_holder_releases_and_cancel_silences_it(
     held = await claim(mine)
     assert (await claim(theirs)).held
     loop = asyncio.get_running_loop()
-    woken: asyncio.Future[None] = loop.create_future()
+    woken: asyncio.Future[str] = loop.create_future()
+    phase = ["watching"]  # the test's step, read by the wake: an early one shows at the end
     silenced: list[int] = []
-    theirs.claims.watch("s\x1fk", lambda: woken.set_result(None), None)
+    theirs.claims.watch("s\x1fk", lambda: woken.set_result(phase[0]), None)
     cancel = theirs.claims.watch("s\x1fk", lambda: silenced.append(1), None)
     cancel()
-    await asyncio.sleep(0.3)
-    assert not woken.done()
+    phase[0] = "releasing"
     await mine.apply([Release("s\x1fk", held.token)])
-    await asyncio.wait_for(woken, 10)
-    await asyncio.sleep(0.1)
+    assert await asyncio.wait_for(woken, 10) == "releasing"  # not before the release
+    # Both watches share the key's one waiting thread, whose wake schedules them together:
+    # a wrongly woken cancelled one would be a few loop turns behind, at most.
+    await settle()
     assert silenced == []  # cancelled before the wake: a late wake is a no-op
     assert (await claim(theirs)).token > 0
+
+
+def waits_in_the_kernel(path: Path) -> bool:
+    """Whether a lock request on ``path`` is blocked (a ``->`` line of /proc/locks)."""
+    inode = path.stat().st_ino
+    with open("/proc/locks") as listing:
+        for line in listing:
+            # "1: -> OFDLCK ADVISORY WRITE -1 <major>:<minor>:<inode> <start> <end>"
+            fields = line.split()
+            if len(fields) > 6 and fields[1] == "->" and fields[6].endswith(f":{inode}"):
+                return True
+    return False
 
 
 _HOLDER = """
@@ -327,12 +342,15 @@ async def test_a_killed_holder_frees_its_claim_and_wakes_a_watcher(tmp_path: Pat
         line = await asyncio.wait_for(holder.stdout.readline(), 30)
         assert int(line) > 0
         assert (await claim(store)).held
-        woken = asyncio.Event()
-        store.claims.watch("s\x1fk", woken.set, None)
-        await asyncio.sleep(0.5)
-        assert not woken.is_set()  # parked in the kernel while the holder lives
+        woken: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        phase = ["watching"]  # the test's step, read by the wake: an early one shows below
+        store.claims.watch("s\x1fk", lambda: woken.set_result(phase[0]), None)
+        lock_file = store.path.with_name(store.path.name + ".locks")
+        await until(lambda: waits_in_the_kernel(lock_file), "the watch parked on the lock")
+        phase[0] = "killed"
         holder.kill()  # SIGKILL: no clean-up runs in the holder
-        await asyncio.wait_for(woken.wait(), 10)
+        # Parked in the kernel while the holder lived: woken by its death, not before.
+        assert await asyncio.wait_for(woken, 10) == "killed"
         mine = await claim(store)
         assert mine.token > int(line)
     finally:
