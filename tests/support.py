@@ -11,10 +11,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
+
+from porch.store.sqlite import SQLiteStore
 
 __all__ = [
     "HOSTILE_BODIES",
@@ -22,6 +25,7 @@ __all__ = [
     "in_thread",
     "settle",
     "sqlite_claims",
+    "through_apply",
     "until",
     "wait_until",
 ]
@@ -131,3 +135,10 @@ HOSTILE_BODIES: list[tuple[bytes, int]] = [
     (b'{"item": "x\\udfffy", "qty": 1}', 422),
     (b'{"item": "' + b"x" * (64 * 1024 + 1) + b'", "qty": 1}', 422),
 ]
+
+
+def through_apply(store: SQLiteStore, **changes: Any) -> None:
+    """Make the pool reach ``store`` only through its ``apply``, for a test subclass that
+    overrides it to hold batches back: without SQLite's inline and callback commits
+    (Capabilities.apply_now, apply_then), which would pass the override by."""
+    store.capabilities = replace(store.capabilities, apply_then=None, apply_now=None, **changes)

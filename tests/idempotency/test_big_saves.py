@@ -11,10 +11,12 @@ from collections.abc import Sequence
 import pytest
 
 from porch.errors import StoreError
-from porch.idempotency._ownership import ALONE_ABOVE, OWNER, Acquire, Complete, Report
+from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
 from porch.pool._pool import Call, KeyPool, Shard
 from porch.store.base import Hit, Lookup, Save, StoredResponse, StoreOp
 from porch.store.sqlite import SQLiteStore
+from porch.store.sqlite.saves import BLOB_ABOVE
+from support import through_apply
 
 pytestmark = pytest.mark.anyio
 
@@ -29,11 +31,12 @@ class HeldSaves(SQLiteStore):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        through_apply(self)
         self.arrived = asyncio.Event()
         self.release = asyncio.Event()
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
-        if any(type(op) is Save and len(op.response.body) > ALONE_ABOVE for op in ops):
+        if any(type(op) is Save and len(op.response.body) > BLOB_ABOVE for op in ops):
             self.arrived.set()
             # Bounded too: where the shard waits for it, a failed test must still close its pool.
             with contextlib.suppress(TimeoutError):

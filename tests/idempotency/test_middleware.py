@@ -21,7 +21,7 @@ from porch import (
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.store.base import Quota, Save, StoreOp
 from porch.store.sqlite.claims import ofd_locks_available
-from support import settle, until
+from support import settle, through_apply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -341,6 +341,10 @@ class SlowSaveStore(SQLiteStore):
 
     gate: asyncio.Event
     held = False  # a Save reached the gate
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        through_apply(self)
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         if any(isinstance(op, Save) for op in ops):

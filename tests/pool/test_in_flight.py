@@ -10,9 +10,16 @@ import pytest
 from porch.errors import PoolClosedError, StoreError
 from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
 from porch.pool._pool import Call, KeyPool, Shard
-from porch.store.base import Claims, Hit, StoredResponse, StoreOp, StoreStatistics
+from porch.store.base import (
+    Capabilities,
+    Claims,
+    Hit,
+    StoredResponse,
+    StoreOp,
+    StoreStatistics,
+)
 from porch.store.sqlite import SQLiteStore
-from support import NoClaims, settle, until
+from support import NoClaims, settle, through_apply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -48,7 +55,7 @@ class GatedStore:
     secret = b"s" * 32
 
     def __init__(self, in_flight: int) -> None:
-        self.in_flight = in_flight
+        self.capabilities = Capabilities(in_flight=in_flight)
         self.batches: list[Batch] = []
         self.closed = False
 
@@ -174,10 +181,9 @@ async def test_close_answers_the_batches_out_first() -> None:
 class OverlappedSQLite(SQLiteStore):
     """The real SQLite store, driven by an overlapped shard; batches that save wait for ``gate``."""
 
-    in_flight = 2
-
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        through_apply(self, in_flight=2)
         self.gate = asyncio.Event()
         self.held = False  # a Save waits at the gate
         self.applied = 0  # batches committed

@@ -9,7 +9,7 @@ import pytest
 
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from porch.pool._pool import Call, KeyPool, Shard
-from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
+from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
 from support import NoClaims, settle, until
 
@@ -34,7 +34,7 @@ class GatedStore:
     """A store whose transactions wait for a gate, to hold a shard busy."""
 
     claims: Claims = NoClaims()
-    in_flight = 1
+    capabilities = Capabilities()
     secret = b"s" * 32
 
     def __init__(self) -> None:
@@ -76,8 +76,9 @@ def test_the_default_size_is_the_stores_own(tmp_path: Path) -> None:
 
     # SQLite's one writer commits every shard's batches together: one shard.
     assert KeyPool(SQLiteStore(tmp_path)).size == 1
-    assert (PostgresStore.shards, RedisStore.shards) == (4, 4)
-    assert KeyPool(GatedStore()).size == 4  # a store that names no count
+    assert PostgresStore("postgresql://h/db").capabilities.shards == 4
+    assert RedisStore("redis://h/0").capabilities.shards == 4
+    assert KeyPool(GatedStore()).size == 4  # a store that keeps the default
     assert KeyPool(SQLiteStore(tmp_path), size=3).size == 3
 
 

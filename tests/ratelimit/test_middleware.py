@@ -23,7 +23,7 @@ from porch import (
 )
 from porch._responses import BytesResponse
 from porch._types import ASGIApp, Message, Receive, Scope, Send
-from porch.store.base import Claims, Hit, StoreOp, StoreStatistics
+from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from support import NoClaims, until
 
 pytestmark = pytest.mark.anyio
@@ -204,7 +204,7 @@ async def test_custom_refusal_factory(pool: KeyPool) -> None:
 
 class BrokenStore:
     claims: Claims = NoClaims()
-    in_flight = 1
+    capabilities = Capabilities()
     secret = b"s" * 32
 
     async def open(self) -> None:

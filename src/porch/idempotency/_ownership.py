@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 
 from ..errors import PoolClosedError, StoreError
 from ..pool._shard import Call, Shard
-from ..store.base import BIG_BODY, Claim, Quota, Release, Save, StoredResponse, StoreOp
+from ..store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
 
 __all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]
 
@@ -81,6 +81,9 @@ class _InFlight:
 
     def live(self) -> bool:
         return any(not w.future.done() for w in self.waiters)
+
+    def waiting(self) -> int:
+        return len(self.waiters)
 
     def settle(self, claim: Claim, carrier: Acquire | None) -> None:
         """The batch with this key's Claim committed: answer, hand ownership, or watch."""
@@ -279,19 +282,13 @@ class _Relook(Call):
             self.state.close(exc)
 
 
-# A save of a body above this many bytes is applied on its own (see Complete).
-ALONE_ABOVE = BIG_BODY
-# Those saves while they are out: the loop keeps only weak references to tasks.
-_alone: set[asyncio.Task[None]] = set()
-
-
 class Complete(Call):
     """The owner's report: a fenced :class:`Save` of its response, or a :class:`Release`.
 
     The future gets what became of it (:data:`Report`) once committed.
 
-    A save of a big body (above ``ALONE_ABOVE``) leaves the shard's batch: it is
-    applied on its own while the shard answers that batch and goes on to the
+    A save of a big body (above the store's ``Capabilities.solo_save_bytes``) leaves the
+    shard's batch: it is applied on its own while the shard answers that batch and goes on to the
     next, so other callers' decisions never wait for it in the shard (the store
     then commits it apart from them, see ``store/sqlite/upkeep.FairBatches``).
     Nothing about its key moves meanwhile: the key stays parked on its owner
@@ -323,11 +320,10 @@ class Complete(Call):
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         op = self.op
-        if type(op) is Save and len(op.response.body) > ALONE_ABOVE:
+        solo = shard.solo_save_bytes
+        if solo is not None and type(op) is Save and len(op.response.body) > solo:
             self.alone = True
-            task = asyncio.get_running_loop().create_task(self._apply_alone(shard))
-            _alone.add(task)
-            task.add_done_callback(_alone.discard)
+            shard.run_aside(self._apply_alone(shard))
             return
         ops.append(op)
 

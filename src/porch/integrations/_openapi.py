@@ -82,7 +82,7 @@ def document(
         },
     )
     declared = idempotency[0]
-    if getattr(declared, "documents_header", False):
+    if declared.documents_header:
         return  # a FastAPI dependency: its Header parameter is in the schema already
     extra = route.openapi_extra if isinstance(route.openapi_extra, dict) else {}
     extra.setdefault("parameters", []).append(

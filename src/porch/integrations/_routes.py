@@ -78,6 +78,10 @@ class RouteIdempotency:
 
     __slots__ = ("log", "methods", "required", "rule", "settings")
 
+    # Whether the declaration puts the Idempotency-Key header in the schema itself (a
+    # FastAPI dependency's Header parameter does); else install() documents it.
+    documents_header = False
+
     def __init__(
         self,
         *,

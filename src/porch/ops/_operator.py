@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import ConfigurationError, StoreError
-from ..store.admin import StoreAdmin, admin_for
+from ..store.admin import StoreAdmin
+from ..store.base import Store
 from ..store.urls import redact
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
@@ -58,8 +59,8 @@ def _admin(args: argparse.Namespace) -> StoreAdmin:
     from ..store import SQLiteStore, open_store
 
     if args.store is not None:
-        return admin_for(open_store(args.store))
-    return admin_for(SQLiteStore(Path(args.data_dir or "./porch-data")))
+        return _admin_of(open_store(args.store))
+    return _admin_of(SQLiteStore(Path(args.data_dir or "./porch-data")))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,3 +176,13 @@ _COMMANDS: dict[str, Callable[[StoreAdmin, argparse.Namespace], Awaitable[int]]]
     "purge": _purge,
     "check": _check,
 }
+
+
+def _admin_of(store: Store) -> StoreAdmin:
+    """The store's admin; ConfigurationError if its backend offers none."""
+    admin = store.capabilities.admin
+    if admin is None:
+        raise ConfigurationError(
+            f"the {type(store).__name__} backend does not offer porch's admin protocol"
+        )
+    return admin()

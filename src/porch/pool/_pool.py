@@ -20,14 +20,13 @@ import asyncio
 import logging
 import os
 import zlib
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError, PoolClosedError, StoreError
 from ._mailbox import MailboxStatistics
 from ._namespaces import Namespaces
-from ._shard import Call, Pace, Shard, own_method
+from ._shard import Call, Pace, Shard
 
 if TYPE_CHECKING:
     from ..metrics import PorchMetrics
@@ -36,9 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["Call", "KeyPool", "PoolStatistics", "Shard"]
 
 logger = logging.getLogger("porch.pool")
-
-# Shards of a pool whose store does not say how many suit it (Store.shards).
-DEFAULT_SHARDS = 4
 
 # After a store failed to open, calls fail fast for this long before it is retried.
 _REOPEN_AFTER = 1.0
@@ -69,9 +65,9 @@ class PoolStatistics:
 class KeyPool:
     """N shard actors over one store, on the event loop that uses it (see the module doc).
 
-    ``size`` is N; by default the store's ``shards`` (SQLite 1: its one writer thread
-    commits all shards' batches together anyway; PostgreSQL and Redis 4, whose shards'
-    batches go out side by side), or 4 for a store that names none. ``mailbox`` is
+    ``size`` is N; by default the store's (``Capabilities.shards``: SQLite 1, its one
+    writer thread commits all shards' batches together anyway; PostgreSQL and Redis 4,
+    whose shards' batches go out side by side). ``mailbox`` is
     each shard's capacity in queued operations: past it, calls are refused at once.
     """
 
@@ -98,10 +94,9 @@ class KeyPool:
         mailbox: int = 1024,
         metrics: PorchMetrics | None = None,
     ) -> None:
+        capabilities = store.capabilities
         if size is None:
-            # The store's own choice: SQLite's one writer commits every shard's batches
-            # in one transaction, so more shards there only add hand-offs on the loop.
-            size = int(getattr(store, "shards", DEFAULT_SHARDS))
+            size = capabilities.shards
         if size < 1:
             raise ConfigurationError(f"pool size must be >= 1, got {size}")
         if mailbox < 1:
@@ -117,9 +112,7 @@ class KeyPool:
         # A store that can commit a small batch on the event loop, cheaply and at once
         # (SQLite with durability="process"): see apply_now. Never beside overlapped
         # batches, which a shard's busy flag does not cover.
-        now: Callable[[Sequence[StoreOp]], bool] | None = own_method(store, "apply_now")
-        on_loop = store.in_flight <= 1 and getattr(store, "commits_on_loop", False)
-        self._now = now if on_loop else None
+        self._now = capabilities.apply_now if capabilities.in_flight <= 1 else None
         self._pace = Pace()
         self._shards = tuple(Shard(i, mailbox, store, metrics, self._pace) for i in range(size))
         self._started = False

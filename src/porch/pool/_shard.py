@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._tasks import stop_task
@@ -33,15 +33,12 @@ if TYPE_CHECKING:
     from ..metrics import PorchMetrics
     from ..store.base import Store, StoreOp
 
-__all__ = ["Call", "Pace", "Parked", "Shard", "own_method"]
+__all__ = ["Call", "Pace", "Parked", "Shard"]
 
 logger = logging.getLogger("porch.pool")
 
 # How long close() waits for a shard to answer the batches it took, before cancelling it.
 _CLOSE_TIMEOUT = 30.0
-
-# A store's optional ``apply_then(ops, done)``: apply, then call ``done(error or None)``.
-_ApplyThen = Callable[[list["StoreOp"], Callable[[BaseException | None], None]], None]
 
 
 class Parked(Protocol):
@@ -49,6 +46,10 @@ class Parked(Protocol):
 
     def close(self, exc: BaseException) -> None:
         """Fail whoever is parked here: the pool is closing."""
+        ...
+
+    def waiting(self) -> int:
+        """How many callers are parked here (read for metrics only)."""
         ...
 
 
@@ -98,7 +99,18 @@ class Pace:
 class Shard:
     """One actor of the pool: its mailbox, its task, and volatile per-key state."""
 
-    __slots__ = ("_task", "busy", "index", "mailbox", "metrics", "pace", "parked", "store")
+    __slots__ = (
+        "_aside",
+        "_task",
+        "busy",
+        "index",
+        "mailbox",
+        "metrics",
+        "pace",
+        "parked",
+        "solo_save_bytes",
+        "store",
+    )
 
     def __init__(
         self,
@@ -119,10 +131,15 @@ class Shard:
         # It is lost with the process, which is the point: a crash never wedges a key.
         self.parked: dict[str, Parked] = {}
         self._task: asyncio.Task[None] | None = None
+        # A store's saves of bodies above this go alone (Capabilities.solo_save_bytes).
+        self.solo_save_bytes = store.capabilities.solo_save_bytes
+        # Work of this shard's running beside its batches (big saves): held here, since
+        # the loop keeps only weak references to tasks.
+        self._aside: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self.busy = False
-        depth = self.store.in_flight
+        depth = self.store.capabilities.in_flight
         run = self._run() if depth <= 1 else self._run_overlapped(depth)
         self._task = asyncio.get_running_loop().create_task(run, name=f"porch-shard-{self.index}")
 
@@ -140,7 +157,13 @@ class Shard:
 
     def waiters(self) -> int:
         """Calls parked behind a running owner in this shard (read for metrics only)."""
-        return sum(len(getattr(state, "waiters", ())) for state in self.parked.values())
+        return sum(state.waiting() for state in self.parked.values())
+
+    def run_aside(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` beside this shard's batches (it answers its own caller)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._aside.add(task)
+        task.add_done_callback(self._aside.discard)
 
     async def _run(self) -> None:
         receive = self.mailbox.receive_batch
@@ -148,7 +171,7 @@ class Shard:
         # A store that calls back once a batch committed (SQLite's writer thread, or
         # an inline commit) has the callers answered from that callback: one loop
         # hop fewer per request than waking this task to answer them.
-        apply_then: _ApplyThen | None = own_method(self.store, "apply_then")
+        apply_then = self.store.capabilities.apply_then
         metrics = self.metrics
         loop = asyncio.get_running_loop()
         clock = loop.time
@@ -282,19 +305,6 @@ class Shard:
         for state in list(self.parked.values()):
             state.close(closed)
         self.parked.clear()
-
-
-def own_method(store: Store, name: str) -> Any:
-    """The store's optional method ``name`` (``apply_then``, ``apply_now``), if the class
-    that defines its ``apply`` defines it too: a subclass overriding only ``apply`` (a
-    test holding a batch back) is called through ``apply``."""
-    for cls in type(store).__mro__:
-        defined = vars(cls)
-        if "apply" in defined or name in defined:
-            if "apply" in defined and name in defined:
-                return getattr(store, name)
-            return None
-    return None
 
 
 class _Replies:

@@ -177,8 +177,8 @@ class RateLimitMiddleware:
             for compiled in self._rules:
                 compiled.counters = metrics.ratelimit(compiled.rule.name)
         if clock is None:
-            # The store's clock when it has one, so a test's ManualClock moves both.
-            store_clock: Clock | None = getattr(pool.store, "clock", None)
+            # The store's clock when it decides on one here, so a ManualClock moves both.
+            store_clock = pool.store.capabilities.clock
             clock = store_clock if store_clock is not None else SystemClock()
         self._clock: Clock = clock
         self._memory = (

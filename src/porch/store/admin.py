@@ -11,15 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import ConfigurationError
-
 __all__ = [
     "CheckReport",
     "CounterInfo",
     "PurgeReport",
     "ResponseInfo",
     "StoreAdmin",
-    "admin_for",
     "split_counter_key",
 ]
 
@@ -106,14 +103,3 @@ def split_counter_key(key: str) -> tuple[str, str, str] | None:
     if len(parts) != 4 or parts[0] != "rl":
         return None
     return parts[1], parts[2], parts[3]
-
-
-def admin_for(store: object) -> StoreAdmin:
-    """The admin of ``store``; ConfigurationError if its backend offers none (yet)."""
-    admin = getattr(store, "admin", None)
-    if admin is None:
-        raise ConfigurationError(
-            f"the {type(store).__name__} backend does not offer porch's admin protocol yet"
-        )
-    result: StoreAdmin = admin()
-    return result

@@ -19,9 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from ..clock import Clock
+from .admin import StoreAdmin
+
 __all__ = [
-    "BIG_BODY",
     "SECRET_BYTES",
+    "ApplyNow",
+    "ApplyThen",
+    "Capabilities",
     "Claim",
     "Claims",
     "Durability",
@@ -36,10 +41,6 @@ __all__ = [
     "StoreStatistics",
     "StoredResponse",
 ]
-
-# A response body above this many bytes is big: its save leaves the pool's batch and
-# runs on its own (ownership.Complete), and the SQLite store keeps it in its side file.
-BIG_BODY = 64 * 1024
 
 # The size of a store's secret (Store.secret), created once with its schema.
 SECRET_BYTES = 32
@@ -222,17 +223,67 @@ class Claims(Protocol):
         ...
 
 
-class Store(Protocol):
-    """A durable backend for counters, stored responses and idempotency claims."""
+ApplyThen = Callable[[Sequence[StoreOp], Callable[[BaseException | None], None]], None]
+"""Apply ops in one transaction, then call ``done(None)`` (or ``done(error)``) on the
+calling loop, from where the commit is known: see :attr:`Capabilities.apply_then`."""
 
-    claims: Claims
-    in_flight: int
+ApplyNow = Callable[[Sequence[StoreOp]], bool]
+"""Commit ops on the calling task now if that is cheap: True once committed, False if
+nothing was applied: see :attr:`Capabilities.apply_now`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store offers beyond :class:`Store`'s methods, declared once.
+
+    The key pool and the middlewares read it when they are built; a store without a
+    capability keeps the field's default. Nothing else about a store is looked up.
+    """
+
+    shards: int = 4
+    """The shard count a ``KeyPool(size=None)`` takes. SQLite says 1: its one writer
+    commits every shard's batches in one transaction anyway, so more shards only add
+    hand-offs on the event loop; a network store's shards send batches side by side."""
+
+    in_flight: int = 1
     """Batches one shard may have applying at once: 1 keeps a shard's batches strictly
     one after another (SQLite's one writer gains nothing from more); a remote store
     whose round trip, not its server's work, bounds a shard says more, and the pool
     then sends a shard's next batch while earlier ones are out, replying in order."""
-    # Optional: ``shards``, the shard count a KeyPool takes when not told (the
-    # pool reads it with getattr, so a store without it gets 4; SQLite says 1).
+
+    clock: Clock | None = None
+    """The clock the store decides on, when that is this process's (SQLite's injected
+    clock): the middlewares default to it, so a test's ManualClock moves both. None:
+    the store decides on its server's clock."""
+
+    apply_then: ApplyThen | None = None
+    """Apply and call back once committed (SQLite's writer thread, or an inline
+    commit): a shard answers its callers from that callback, one loop hop fewer per
+    request than waking the shard's task to answer them."""
+
+    apply_now: ApplyNow | None = None
+    """Commit a lone hit on the calling task, at once, when nothing else is in flight
+    (SQLite with ``durability="process"``: a write into the page cache, never an
+    fsync): see ``KeyPool.apply_now``. Only used with ``in_flight == 1``."""
+
+    solo_save_bytes: int | None = None
+    """A :class:`Save` of a body above this many bytes leaves its shard's batch and is
+    applied on its own, so other callers' decisions never wait for it (SQLite keeps
+    such a body in its side file, written apart). None: saves stay in their batch."""
+
+    admin: Callable[[], StoreAdmin] | None = None
+    """The operator's view of the store (``porch inspect|reset|purge|check``)."""
+
+
+class Store(Protocol):
+    """A durable backend for counters, stored responses and idempotency claims."""
+
+    claims: Claims
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this store offers beyond these methods (read once by its users)."""
+        ...
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

@@ -10,15 +10,13 @@ repeatable-read transaction and changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
 from ..urls import redact
 from .schema import SCHEMA_VERSION, quote_schema
-
-if TYPE_CHECKING:
-    from .store import PostgresStore
 
 __all__ = ["PostgresAdmin"]
 
@@ -29,13 +27,13 @@ _TABLES = ("migrations", "counters", "records", "usage", "usage_total", "meta")
 class PostgresAdmin:
     """:class:`~porch.store.admin.StoreAdmin` for one PostgreSQL schema."""
 
-    def __init__(self, store: PostgresStore) -> None:
-        self.store = store
-        self.s = quote_schema(store.schema)
-        self.location = f"{redact(store.url)} (schema {store.schema})"
+    def __init__(self, connect: Callable[[], Awaitable[Any]], schema: str, location: str) -> None:
+        self._connect = connect  # a new connection to the store's database, as the store's
+        self.s = quote_schema(schema)
+        self.location = location
 
     async def _conn(self) -> Any:
-        conn = await self.store._connect()
+        conn = await self._connect()
         version = await self._version(conn)
         if version is None:
             await conn.close()
@@ -151,7 +149,7 @@ class PostgresAdmin:
 
     async def check(self) -> CheckReport:
         try:
-            conn = await self.store._connect()
+            conn = await self._connect()
         except StoreError as exc:
             return CheckReport(self.location, 0, SCHEMA_VERSION, (str(exc),))
         problems: list[str] = []

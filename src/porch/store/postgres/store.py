@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, urlsplit
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
-from ..base import Claim, Hit, Release, StoreOp, StoreStatistics
+from ..base import Capabilities, Claim, Hit, Release, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import ListenerClaims
@@ -91,16 +91,13 @@ class PostgresStore:
     listens). ``connect_timeout`` / ``statement_timeout``: seconds before a
     batch fails with StoreError when the server does not answer.
     ``in_flight``: batches one pool shard keeps out at once (its round trip,
-    not the server's work, is what a shard waits on; see ``Store.in_flight``).
+    not the server's work, is what a shard waits on; see ``Capabilities.in_flight``).
     Four: a hot counter's batches queue on its row lock, each held through its
     commit's WAL flush; with four out one is always queued behind the lock
     while the loop answers another's callers, in smaller, steadier bursts
     (measured, limiter-postgres interleaved with two on a loaded box: 0.44 ->
     0.60x bare, loop CPU 57.3 -> 53.3 us per request).
     """
-
-    # A pool's default shard count: four, whose batches go out on connections side by side.
-    shards = 4
 
     def __init__(
         self,
@@ -145,7 +142,12 @@ class PostgresStore:
         self.connect_timeout = float(connect_timeout)
         self.statement_timeout = float(statement_timeout)
         self.prune_batch = prune_batch
-        self.in_flight = in_flight
+        self.capabilities = Capabilities(
+            # Four shards, whose batches go out on connections side by side.
+            shards=4,
+            in_flight=in_flight,
+            admin=self.admin,
+        )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
         self.claims = ListenerClaims(self._connect, self.channel, self.lease)
@@ -309,7 +311,8 @@ class PostgresStore:
         """The operator's view of this schema (``porch inspect|reset|purge|check``)."""
         from .admin import PostgresAdmin
 
-        return PostgresAdmin(self)
+        location = f"{redact(self.url)} (schema {self.schema})"
+        return PostgresAdmin(self._connect, self.schema, location)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)

@@ -11,14 +11,13 @@ of its entries (one script each, so a concurrent save cannot skew it).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
 from ..urls import redact
-
-if TYPE_CHECKING:
-    from .store import RedisStore
+from .keys import KeyNames
 
 __all__ = ["RedisAdmin"]
 
@@ -57,15 +56,16 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 class RedisAdmin:
     """:class:`~porch.store.admin.StoreAdmin` for one Redis store (one prefix)."""
 
-    def __init__(self, store: RedisStore, location: str) -> None:
-        self.store = store
-        self.prefix = store.prefix
+    def __init__(self, connect: Callable[[int], Any], names: KeyNames, location: str) -> None:
+        self._connect = connect  # a new client of the store's server, as the store's
+        self.names = names
+        self.prefix = names.prefix
         self.location = location
         self._client: Any = None
 
     async def _redis(self) -> Any:
         if self._client is None:
-            client: Any = self.store._connect(2)  # redis-py 7 types ping() as a union
+            client: Any = self._connect(2)  # redis-py 7 types ping() as a union
             try:
                 await client.ping()
             except Exception as exc:
@@ -166,7 +166,7 @@ class RedisAdmin:
     async def purge(self) -> PurgeReport:
         redis = await self._redis()
         trim = redis.register_script(_TRIM)
-        total_zset = self.store.names.total_zset
+        total_zset = self.names.total_zset
         trimmed = 0
         try:
             for zset, sizes in self._pairs(await self._scan("qz")):

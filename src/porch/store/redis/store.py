@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from ..._tasks import stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
 from ..alike import collapse_hits
-from ..base import SECRET_BYTES, StoreOp, StoreStatistics
+from ..base import SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import RedisClaims
@@ -86,11 +86,8 @@ class RedisStore:
     frozen server fails an apply with StoreError instead of hanging;
     ``max_connections`` caps the pool, and a caller finding every connection
     busy waits up to ``pool_timeout`` for one. ``in_flight``: batches one pool
-    shard keeps out at once (see ``Store.in_flight``).
+    shard keeps out at once (see ``Capabilities.in_flight``).
     """
-
-    # A pool's default shard count: four, whose batches go out on connections side by side.
-    shards = 4
 
     def __init__(
         self,
@@ -139,7 +136,12 @@ class RedisStore:
         self.timeout = timeout
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
-        self.in_flight = in_flight
+        self.capabilities = Capabilities(
+            # Four shards, whose batches go out on connections side by side.
+            shards=4,
+            in_flight=in_flight,
+            admin=self.admin,
+        )
         self.names = KeyNames(prefix)
         self.claims = RedisClaims(self.names.channel, reconnect_delay=reconnect_delay)
         self._scripts: dict[str, Script] = load_scripts()
@@ -274,7 +276,7 @@ class RedisStore:
         """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
         from .admin import RedisAdmin
 
-        return RedisAdmin(self, f"{redact(self.url)} (prefix {self.prefix})")
+        return RedisAdmin(self._connect, self.names, f"{redact(self.url)} (prefix {self.prefix})")
 
     def statistics(self) -> StoreStatistics:
         pipelines = self._transactions + (self._group.pipelines if self._group else 0)

@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeGuard
 
-from ..base import BIG_BODY, Quota, Release, Save, StoredResponse, StoreOp
+from ..base import Quota, Release, Save, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 
 __all__ = [
@@ -24,8 +24,9 @@ __all__ = [
     "stored_size",
 ]
 
-# Bodies above this live in the side file (blobs.py): the big bodies, saved alone.
-BLOB_ABOVE = BIG_BODY
+# Bodies above this live in the side file (blobs.py), written apart from the decisions;
+# their saves leave the pool's batches too (Capabilities.solo_save_bytes).
+BLOB_ABOVE = 64 * 1024
 
 
 def has_blob(op: StoreOp) -> TypeGuard[Save]:

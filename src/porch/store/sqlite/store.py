@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
-from ..base import Claims, Durability, Hit, StoreOp, StoreStatistics
+from ..base import Capabilities, Claims, Durability, Hit, StoreOp, StoreStatistics
 from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
-from .saves import has_blob
+from .saves import BLOB_ABOVE, has_blob
 from .upkeep import Checkpoints
 from .writer import Done, Job, SQLiteWriter, done_all, settle
 
@@ -72,13 +72,6 @@ class SQLiteStore(SQLiteWriter):
     Without OFD locks (not Linux) claims are per process: counters stay exact
     across processes, but two processes may each run a key's handler.
     """
-
-    # One batch per shard at a time: the one writer thread commits them in turn anyway.
-    in_flight = 1
-    # A pool's default shard count (KeyPool(size=None)): one. The writer already commits
-    # every queued batch in one transaction, so more shards would only split a loop
-    # iteration's requests into more batches, hand-offs and wake-ups on the event loop.
-    shards = 1
 
     def __init__(
         self,
@@ -141,6 +134,18 @@ class SQLiteStore(SQLiteWriter):
             forward=self._queue_job,
         )
         self._bodies = self._blobs
+        self.capabilities = Capabilities(
+            # One shard, one batch at a time: the one writer thread commits every queued
+            # batch in one transaction anyway, so more would only split a loop
+            # iteration's requests into more batches, hand-offs and wake-ups.
+            shards=1,
+            in_flight=1,
+            clock=self.clock,
+            apply_then=self.apply_then,
+            apply_now=self.apply_now if durability == "process" else None,
+            solo_save_bytes=BLOB_ABOVE,
+            admin=self.admin,
+        )
 
     @property
     def secret(self) -> bytes:
@@ -266,12 +271,6 @@ class SQLiteStore(SQLiteWriter):
     def _queue_job(self, job: Job) -> None:
         self._queue.put(job)
 
-    @property
-    def commits_on_loop(self) -> bool:
-        """Whether small batches may commit on the event loop (never with fsync): a pool
-        asks ``apply_now`` only then."""
-        return self.durability == "process"
-
     def apply_now(self, ops: Sequence[StoreOp]) -> bool:
         """Commit ``ops`` on the calling thread now, if that is cheap: True once committed;
         False if nothing was applied (the caller sends them through ``apply_then``).
@@ -283,7 +282,7 @@ class SQLiteStore(SQLiteWriter):
         process's write lock. A failed commit is rolled back: nothing was applied.
         """
         if (
-            not self.commits_on_loop
+            self.durability != "process"
             or self._thread is None
             or self._inline
             or not self._queue.empty()
