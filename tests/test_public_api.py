@@ -18,6 +18,7 @@ def test_public_surface_is_pinned() -> None:
             "Clock",
             "ConfigurationError",
             "Durability",
+            "Exemption",
             "ForwardingHeaderError",
             "IdempotencyMiddleware",
             "IdempotencyRule",

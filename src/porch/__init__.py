@@ -21,7 +21,15 @@ from .idempotency import (
 from .identity import ClientIdentity, KeyFunc
 from .metrics import PorchMetrics
 from .pool import KeyPool, Mailbox, MailboxStatistics, PoolStatistics
-from .ratelimit import Limit, PolicyState, RateLimitMiddleware, Refusal, RefusalFactory, Rule
+from .ratelimit import (
+    Exemption,
+    Limit,
+    PolicyState,
+    RateLimitMiddleware,
+    Refusal,
+    RefusalFactory,
+    Rule,
+)
 from .store import (
     Durability,
     Quota,
@@ -40,6 +48,7 @@ __all__ = [
     "Clock",
     "ConfigurationError",
     "Durability",
+    "Exemption",
     "ForwardingHeaderError",
     "IdempotencyMiddleware",
     "IdempotencyRule",

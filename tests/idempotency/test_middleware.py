@@ -818,3 +818,32 @@ async def test_rules_match_the_path_inside_a_mount(pool: KeyPool, handler: Handl
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert handler.calls == 1
+
+
+@pytest.mark.parametrize("replays_count", [True, False])
+async def test_the_order_of_the_middlewares_decides_whether_replays_count(
+    pool: KeyPool, handler: Handler, replays_count: bool
+) -> None:
+    from porch import Limit, RateLimitMiddleware, Rule
+
+    def limited(app: ASGIApp) -> ASGIApp:
+        return RateLimitMiddleware(app, pool=pool, rules=Rule(Limit(2, 3600)))
+
+    def replaying(app: ASGIApp) -> ASGIApp:
+        return IdempotencyMiddleware(app, pool=pool)
+
+    # Limiter outside: every request counts. Idempotency outside: replays answer first.
+    app = limited(replaying(handler)) if replays_count else replaying(limited(handler))
+    transport = httpx.ASGITransport(app=app, client=("10.2.2.2", 4000))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://t", cookies=no_cookies()
+    ) as c:
+        same = [await c.post("/orders", headers={"Idempotency-Key": "a"}) for _ in range(3)]
+        other = await c.post("/orders", headers={"Idempotency-Key": "b"})
+    if replays_count:
+        assert [r.status_code for r in same] == [201, 201, 429]
+        assert other.status_code == 429
+    else:
+        assert [r.status_code for r in same] == [201, 201, 201]
+        assert other.status_code == 201  # the second unit: the replays took none
+    assert handler.calls == (1 if replays_count else 2)

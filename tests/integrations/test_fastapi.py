@@ -321,3 +321,166 @@ async def test_a_router_route_never_installed_answers_503_not_unlimited(
     assert calls == []
     # Logged once, not once per request.
     assert len([r for r in caplog.records if "never installed" in r.getMessage()]) == 1
+
+
+def switchable_app(pool: KeyPool, **install_options: Any) -> tuple[FastAPI, dict[str, Any]]:
+    """Routes with each kind of declaration, for the off switches and overrides."""
+    app = FastAPI()
+    hourly = RateLimit("2/hour")
+    keyed = Idempotency()
+    orders: list[int] = []
+
+    async def current_user(_: None = Depends(hourly)) -> str:
+        return "alice"
+
+    @app.get("/items", dependencies=[Depends(hourly)])
+    async def items() -> dict[str, str]:
+        return {}
+
+    @app.get("/me")
+    async def me(user: str = Depends(current_user)) -> dict[str, str]:
+        return {"user": user}
+
+    @app.post("/orders", status_code=201, dependencies=[Depends(keyed)])
+    async def order() -> dict[str, int]:
+        orders.append(1)
+        return {"order": len(orders)}
+
+    @app.get("/decorated")
+    @limit("1/hour")
+    async def decorated() -> dict[str, str]:
+        return {}
+
+    assert install(app, pool, **install_options) == 4
+    return app, {"hourly": hourly, "keyed": keyed, "user": current_user, "orders": orders}
+
+
+async def statuses(c: httpx.AsyncClient, path: str, n: int) -> list[int]:
+    return [(await c.get(path)).status_code for _ in range(n)]
+
+
+async def test_install_switched_off_runs_every_route_unlimited_and_opens_nothing(
+    tmp_path: Path,
+) -> None:
+    unopened = KeyPool(SQLiteStore(tmp_path / "off"))
+    app, _ = switchable_app(unopened, enabled=False)
+    async with app.router.lifespan_context(app), client(app) as c:
+        assert await statuses(c, "/items", 4) == [200] * 4
+        assert await statuses(c, "/decorated", 3) == [200] * 3  # not "never installed"
+        key = {"Idempotency-Key": "o1"}
+        orders = [await c.post("/orders", headers=key) for _ in range(2)]
+    assert [o.json() for o in orders] == [{"order": 1}, {"order": 2}]
+    assert "idempotent-replayed" not in orders[1].headers
+    assert not unopened.started
+    assert not (tmp_path / "off").exists()
+
+
+async def test_a_declaration_switched_off_and_on_again(pool: KeyPool, tmp_path: Path) -> None:
+    app, parts = switchable_app(pool)
+    hourly: RateLimit = parts["hourly"]
+    async with client(app) as c:
+        assert await statuses(c, "/items", 1) == [200]
+        hourly.enabled = False
+        assert await statuses(c, "/items", 4) == [200] * 4
+        hourly.enabled = True
+        assert await statuses(c, "/items", 2) == [200, 429]  # the same counter as before
+    assert counters(tmp_path)["rl\x1froute:GET:/items\x1f2-per-3600s\x1f" + PEER] == 2
+
+
+async def test_dependency_overrides_switch_porch_dependencies_off(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, parts = switchable_app(pool)
+    app.dependency_overrides[parts["hourly"]] = lambda: None
+    app.dependency_overrides[parts["keyed"]] = lambda: None
+    async with client(app) as c:
+        assert await statuses(c, "/items", 4) == [200] * 4
+        assert await statuses(c, "/me", 4) == [200] * 4
+        # A decorator is no dependency: overrides do not touch it.
+        assert await statuses(c, "/decorated", 2) == [200, 429]
+        key = {"Idempotency-Key": "o1"}
+        orders = [(await c.post("/orders", headers=key)).json() for _ in range(2)]
+        assert orders == [{"order": 1}, {"order": 2}]  # no replay: overridden
+        app.dependency_overrides.clear()
+        assert await statuses(c, "/items", 3) == [200, 200, 429]
+        replayed = [await c.post("/orders", headers={"Idempotency-Key": "o2"}) for _ in range(2)]
+    assert replayed[1].headers["idempotent-replayed"] == "true"
+    assert counters(tmp_path)["rl\x1froute:GET:/items\x1f2-per-3600s\x1f" + PEER] == 2
+
+
+async def test_overriding_the_dependency_that_leads_to_a_limit_switches_it_off(
+    pool: KeyPool,
+) -> None:
+    app, parts = switchable_app(pool)
+    app.dependency_overrides[parts["user"]] = lambda: "bob"
+    async with client(app) as c:
+        assert await statuses(c, "/me", 4) == [200] * 4
+        assert (await c.get("/me")).json() == {"user": "bob"}
+        # /items reaches the same limit directly: still limited.
+        assert await statuses(c, "/items", 3) == [200, 200, 429]
+
+
+async def test_a_porch_dependency_overridden_by_another_applies_the_other(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, parts = switchable_app(pool)
+    app.dependency_overrides[parts["hourly"]] = RateLimit("4/hour")
+    async with client(app) as c:
+        assert await statuses(c, "/items", 5) == [200] * 4 + [429]
+        headers = (await c.get("/items")).headers
+    assert headers["x-ratelimit-limit"] == "4"
+    # Counted in the route's namespace, under the replacement's own limit.
+    assert counters(tmp_path) == {"rl\x1froute:GET:/items\x1f4-per-3600s\x1f" + PEER: 4}
+
+
+async def test_replays_count_unless_the_declaration_says_not(pool: KeyPool) -> None:
+    app = FastAPI()
+    runs: list[str] = []
+
+    @app.post("/counted", dependencies=[Depends(RateLimit("2/hour")), Depends(Idempotency())])
+    async def counted() -> dict[str, int]:
+        runs.append("counted")
+        return {"n": len(runs)}
+
+    @app.post(
+        "/free",
+        dependencies=[
+            Depends(RateLimit("2/hour")),
+            Depends(Idempotency(count_replays=False)),
+        ],
+    )
+    async def free() -> dict[str, int]:
+        runs.append("free")
+        return {"n": len(runs)}
+
+    install(app, pool)
+    key = {"Idempotency-Key": "k1"}
+    async with client(app) as c:
+        counted_ = [(await c.post("/counted", headers=key)).status_code for _ in range(3)]
+        free_ = [await c.post("/free", headers={"Idempotency-Key": "k2"}) for _ in range(4)]
+        fresh = [(await c.post("/free", headers={"Idempotency-Key": f"n{i}"})) for i in range(2)]
+    assert counted_ == [200, 200, 429]  # the replay took the second unit
+    assert [r.status_code for r in free_] == [200] * 4
+    assert all(r.headers["idempotent-replayed"] == "true" for r in free_[1:])
+    assert "x-ratelimit-limit" not in free_[1].headers  # answered before the limits
+    assert [r.status_code for r in fresh] == [200, 429]  # 2/hour: only two ran
+    assert runs == ["counted", "free", "free"]
+
+
+async def test_a_route_limit_exempts_by_predicate(pool: KeyPool) -> None:
+    app = FastAPI()
+
+    def staff(scope: Any) -> bool:
+        return dict(scope["headers"]).get(b"x-role") == b"staff"
+
+    @app.get("/reports", dependencies=[Depends(RateLimit("1/hour", exempt=staff))])
+    async def reports() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    async with client(app) as c:
+        staffed = [(await c.get("/reports", headers={"x-role": "staff"})).status_code]
+        staffed += [(await c.get("/reports", headers={"x-role": "staff"})).status_code]
+        others = await statuses(c, "/reports", 2)
+    assert staffed == [200, 200]
+    assert others == [200, 429]

@@ -295,3 +295,125 @@ async def test_install_opens_and_closes_the_pool_with_the_lifespan(tmp_path: Pat
         assert not pool.started
 
     await anyio.to_thread.run_sync(serve)
+
+
+async def test_routes_under_hosts_are_installed_and_counted_per_host(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    from starlette.routing import Host, Router
+
+    @limit("1/minute")
+    async def items(request: Request) -> Response:
+        return PlainTextResponse("items")
+
+    def site() -> Router:
+        return Router(routes=[Route("/items", items)])
+
+    app = Starlette(routes=[Host("api.example.com", site()), Host("{tenant}.shop.test", site())])
+    assert install(app, pool) == 2
+    async with client(app) as c:
+        api = [(await c.get("http://api.example.com/items")).status_code for _ in range(2)]
+        shop = [(await c.get("http://a.shop.test/items")).status_code for _ in range(2)]
+    assert api == [200, 429]
+    assert shop == [200, 429]  # the same path on another host: a counter of its own
+    # Named for the host too (the methods part of a name depends on Starlette's version).
+    assert sorted(key.split(":", 2)[2] for key in counters(tmp_path)) == [
+        "api.example.com/items\x1f1-per-60s\x1f" + PEER,
+        "{tenant}.shop.test/items\x1f1-per-60s\x1f" + PEER,
+    ]
+
+
+async def test_a_mounted_sub_app_with_its_own_middlewares_is_installed(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    from starlette.middleware import Middleware
+    from starlette.middleware.gzip import GZipMiddleware
+
+    from porch import Limit
+
+    @limit("2/minute")
+    async def orders(request: Request) -> Response:
+        return PlainTextResponse("orders")
+
+    async def products(request: Request) -> Response:
+        return PlainTextResponse("products")
+
+    sub = Starlette(
+        routes=[Route("/orders", orders), Route("/products", products)],
+        middleware=[
+            Middleware(
+                RateLimitMiddleware,
+                pool=pool,
+                rules=Rule(Limit(3, 60), path="/products", name="products"),
+            )
+        ],
+    )
+    # And an app behind a plain ASGI middleware: its routes are found through .app.
+    wrapped = GZipMiddleware(Starlette(routes=[Route("/orders", orders)]))
+    app = Starlette(routes=[Mount("/v1", app=sub), Mount("/v2", app=wrapped)])
+    assert install(app, pool) == 2
+    async with client(app) as c:
+        v1 = [(await c.get("/v1/orders")).status_code for _ in range(3)]
+        v2 = [(await c.get("/v2/orders")).status_code for _ in range(3)]
+        products_ = [(await c.get("/v1/products")).status_code for _ in range(4)]
+    assert v1 == [200, 200, 429]
+    assert v2 == [200, 200, 429]
+    assert products_ == [200, 200, 200, 429]  # the sub-app's middleware, at /products
+    assert counters(tmp_path)["rl\x1fproducts\x1f3-per-60s\x1f" + PEER] == 3
+
+
+async def test_a_declaration_porch_cannot_install_fails_install_and_startup(
+    pool: KeyPool,
+) -> None:
+    from starlette.routing import BaseRoute, Match
+
+    @limit("1/minute")
+    async def hidden(request: Request) -> Response:
+        return PlainTextResponse("hidden")
+
+    class OwnRoute(BaseRoute):
+        """A route class of the app's own: porch does not know what it calls."""
+
+        endpoint = staticmethod(hidden)
+
+        def matches(self, scope: Any) -> tuple[Match, dict[str, Any]]:
+            return Match.NONE, {}
+
+        def url_path_for(self, name: str, /, **params: Any) -> Any:
+            raise NotImplementedError
+
+        async def handle(self, scope: Any, receive: Any, send: Any) -> None:
+            await hidden(scope)  # pragma: no cover
+
+        def __repr__(self) -> str:
+            return "OwnRoute()"
+
+    message = (
+        "porch cannot install the limits or idempotency declared on OwnRoute() (a"
+        " test_a_declaration_porch_cannot_install_fails_install_and_startup.<locals>.OwnRoute):"
+        " install() guards Route, WebSocketRoute and FastAPI's routes, inside Mount and Host;"
+        " declare them on one of those, or use the app-level middlewares"
+    )
+    app = Starlette(routes=[Mount("/m", routes=[OwnRoute()])])
+    with pytest.raises(ConfigurationError) as refused:
+        install(app, pool)
+    assert str(refused.value) == message
+    # Added after install(): the app refuses to start, with the same message.
+    late = Starlette()
+    assert install(late, pool) == 0
+    late.router.routes.append(OwnRoute())
+    with pytest.raises(ConfigurationError) as at_startup:
+        async with late.router.lifespan_context(late):
+            pass  # pragma: no cover
+    assert str(at_startup.value) == message
+
+
+async def test_a_route_limit_declared_switched_off(pool: KeyPool) -> None:
+    @limit("1/minute", enabled=False)
+    async def hello(request: Request) -> Response:
+        return PlainTextResponse("hi")
+
+    app = Starlette(routes=[Route("/hi", hello)])
+    assert install(app, pool) == 1
+    async with client(app) as c:
+        assert [(await c.get("/hi")).status_code for _ in range(3)] == [200] * 3

@@ -143,6 +143,52 @@ async def test_exempt_and_unselected_requests_consume_nothing(pool: KeyPool) -> 
         assert (await c.post("/api")).status_code == 429
 
 
+async def test_predicates_exempt_staff_and_an_internal_network(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    import ipaddress
+
+    internal = ipaddress.ip_network("10.9.0.0/16")
+    asked: list[str] = []
+
+    def from_inside(scope: Scope) -> bool:
+        asked.append(scope["path"])
+        return ipaddress.ip_address(scope["client"][0]) in internal
+
+    async def staff(scope: Scope) -> bool:  # an async predicate: awaited
+        await asyncio.sleep(0)
+        return dict(scope["headers"]).get(b"x-role") == b"staff"
+
+    app = RateLimitMiddleware(
+        hello,
+        pool=pool,
+        rules=Rule(Limit(1, 60), path="/api", name="api"),
+        exempt=("/api/health", from_inside, staff),
+    )
+    async with client(app, "10.9.3.4") as inside, client(app, "192.0.2.1") as outside:
+        assert [(await inside.get("/api/x")).status_code for _ in range(3)] == [200] * 3
+        staffed = [await outside.get("/api/x", headers={"x-role": "staff"}) for _ in range(3)]
+        assert [r.status_code for r in staffed] == [200] * 3
+        assert "x-ratelimit-limit" not in staffed[0].headers
+        assert [(await outside.get("/api/x")).status_code for _ in range(2)] == [200, 429]
+        await outside.get("/api/health")
+        await outside.get("/elsewhere")
+    # Asked only for requests a rule selects and no path exempts.
+    assert set(asked) == {"/api/x"}
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
+        rows = db.execute("SELECT key, count FROM counters").fetchall()
+    assert [(key.rsplit("\x1f", 1)[1], count) for key, count in rows] == [("192.0.2.1", 1)]
+
+
+async def test_an_exemption_that_is_neither_a_path_nor_callable_is_refused(
+    pool: KeyPool,
+) -> None:
+    with pytest.raises(ConfigurationError, match="or be predicates"):
+        RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)), exempt=(3,))  # type: ignore[arg-type]
+
+
 async def test_clients_are_counted_apart_and_ports_do_not_matter(pool: KeyPool) -> None:
     app = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60)))
     async with client(app, "10.0.0.1") as a, client(app, "10.0.0.2") as b:

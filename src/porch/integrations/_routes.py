@@ -11,8 +11,9 @@ route are counted: a 404, a 405 or a trailing-slash redirect never is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from .._eventlog import EventLog
@@ -24,13 +25,19 @@ from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, Idem
 from ..identity import KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle
-from ..ratelimit._middleware import RateLimitMiddleware, Refusal, RefusalFactory, default_refusal
+from ..ratelimit._middleware import (
+    Exemption,
+    RateLimitMiddleware,
+    Refusal,
+    RefusalFactory,
+    default_refusal,
+)
 from ..ratelimit._rules import Limit, Rule
 from ..store.base import Quota
 
 _logger = logging.getLogger("porch.routes")
 
-__all__ = ["GUARDS", "RouteIdempotency", "RouteLimit", "guard"]
+__all__ = ["GUARDS", "Declaration", "Declared", "RouteIdempotency", "RouteLimit", "guard"]
 
 # The ids of the declarations whose guard the running request passed through. The endpoint
 # and dependency checks read it (a context variable: an endpoint need not take the request,
@@ -41,10 +48,22 @@ _UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 class RouteLimit:
     """A rate limit declared on a route: rates (``"5/minute"``, ``"100/day; 10/second"``, or
-    Limits), the client ``key`` (default: the installer's, else the peer host), and the counters'
-    ``name`` (default: derived from the route's methods and path template)."""
+    Limits), the client ``key`` (default: the installer's, else the peer host), the counters'
+    ``name`` (default: derived from the route's methods and path template), ``exempt``
+    predicates (see :class:`~porch.RateLimitMiddleware`), and ``enabled`` (False: the
+    route runs unlimited, as with the middleware's off switch; it may be set later)."""
 
-    __slots__ = ("dry_run", "fail_open", "key", "limits", "log", "name", "shared")
+    __slots__ = (
+        "dry_run",
+        "enabled",
+        "exempt",
+        "fail_open",
+        "key",
+        "limits",
+        "log",
+        "name",
+        "shared",
+    )
 
     def __init__(
         self,
@@ -55,6 +74,8 @@ class RouteLimit:
         shared: bool = False,
         dry_run: bool = False,
         fail_open: bool = False,
+        exempt: Exemption | Iterable[Exemption] = (),
+        enabled: bool = True,
     ) -> None:
         # Validated now, where it is declared (the rule is rebuilt for its route on install).
         rule = Rule(rate, name=name, shared=shared)
@@ -62,21 +83,33 @@ class RouteLimit:
             raise ConfigurationError("a shared route limit needs a name= to share")
         if key is not None and not callable(key):
             raise ConfigurationError(f"key must be a callable(scope) -> str, got {key!r}")
+        predicates = (exempt,) if callable(exempt) else tuple(exempt)
+        for predicate in predicates:
+            if not callable(predicate):
+                raise ConfigurationError(
+                    f"a route limit's exempt= takes predicates (callables), got {predicate!r}"
+                )
         self.limits = rule.limits
         self.key = key
         self.name = name
         self.shared = bool(shared)
         self.dry_run = bool(dry_run)
         self.fail_open = bool(fail_open)
+        self.exempt: tuple[Exemption, ...] = predicates
+        self.enabled = bool(enabled)
         # "Never installed" is logged through it, throttled (once a minute per path).
         self.log = EventLog(_logger)
 
 
 class RouteIdempotency:
     """``Idempotency-Key`` honoured on a route (for its unsafe methods, or ``methods``);
-    the settings are :class:`~porch.IdempotencyMiddleware`'s."""
+    the settings are :class:`~porch.IdempotencyMiddleware`'s. ``count_replays``: whether
+    a replay (and a duplicate that waited for its owner, a 409, a 422) counts against the
+    route's rate limits — True: the limits are checked first, as every request; False:
+    idempotency answers first and only a request that runs the handler is counted.
+    ``enabled``: False turns it off (it may be set later)."""
 
-    __slots__ = ("log", "methods", "required", "rule", "settings")
+    __slots__ = ("count_replays", "enabled", "log", "methods", "required", "rule", "settings")
 
     # Whether the declaration puts the Idempotency-Key header in the schema itself (a
     # FastAPI dependency's Header parameter does); else install() documents it.
@@ -94,6 +127,8 @@ class RouteIdempotency:
         max_body: int = 1 << 20,
         max_stored: int = 1 << 20,
         quota: Quota = DEFAULT_QUOTA,
+        count_replays: bool = True,
+        enabled: bool = True,
     ) -> None:
         self.methods = None if methods is None else frozenset(normalize_method(m) for m in methods)
         self.required = bool(required)
@@ -109,7 +144,22 @@ class RouteIdempotency:
             "max_stored": max_stored,
             "quota": quota,
         }
+        self.count_replays = bool(count_replays)
+        self.enabled = bool(enabled)
         self.log = EventLog(_logger)
+
+
+Declaration = RouteLimit | RouteIdempotency
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """A declaration found on a route: ``via`` is None for a decorator on the endpoint, else
+    every chain of dependency callables leading to it (the route's own dependencies first),
+    so the app's ``dependency_overrides`` can be honoured as FastAPI honours them."""
+
+    declaration: Declaration
+    via: tuple[tuple[Callable[..., Any], ...], ...] | None = None
 
 
 def raising_refusal(exception: type[RateLimitExceeded]) -> RefusalFactory:
@@ -148,20 +198,32 @@ class _Raise:
 class _RouteRule(Rule):
     """A rule that always applies (the router already chose the route), named for its route."""
 
-    __slots__ = ("route",)
+    __slots__ = ("claimed", "route")
 
     route: str
+    claimed: tuple[object, ...] | None
 
     def __init__(
-        self, limits: tuple[Limit, ...], *, route: str, derived: str | None, **kwargs: Any
+        self,
+        limits: tuple[Limit, ...],
+        *,
+        route: str,
+        derived: str | None,
+        claimed: tuple[object, ...] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(limits, **kwargs)
         object.__setattr__(self, "route", route)
+        object.__setattr__(self, "claimed", claimed)
         if derived is not None:
             # Derived from the route, not chosen: any path may be in it, however long.
             object.__setattr__(self, "name", derived)
 
     def signature(self) -> tuple[object, ...]:
+        if self.claimed is not None:
+            # A part of the route's installed rule (some of its declarations off or
+            # overridden): the same namespace, already claimed by the whole.
+            return self.claimed
         if self.shared:
             return super().signature()
         return ("route", self.route, super().signature()[-1])
@@ -170,21 +232,231 @@ class _RouteRule(Rule):
         return f"the route limit on {self.route}"
 
 
-class _Mark:
-    """Records which declarations guard this request (GUARDS: the endpoint checks it)."""
+# Chains built for other sets of active declarations (some off, or overridden) per route.
+_MAX_CHAINS = 64
 
-    __slots__ = ("app", "ids")
 
-    def __init__(self, app: ASGIApp, ids: frozenset[int]) -> None:
-        self.app = app
-        self.ids = ids
+class _Guard:
+    """A route's app behind the middlewares its declarations make, over one pool.
+
+    Built for every declaration at install (which claims the counter namespaces and
+    validates everything). A request normally runs that chain; when a declaration is
+    switched off (``enabled``), or the app's ``dependency_overrides`` replace one of
+    its dependencies (or a dependency leading to it), the request runs a chain built
+    for the declarations still in force (cached), and with none, the route's app
+    itself. Every declaration is marked as passed (GUARDS), so the endpoint's and the
+    dependencies' never-installed checks are satisfied.
+    """
+
+    __slots__ = (
+        "_app",
+        "_chains",
+        "_declared",
+        "_enabled",
+        "_full",
+        "_ids",
+        "_names",
+        "_overrides",
+        "_settings",
+    )
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        declared: list[Declared],
+        *,
+        enabled: bool,
+        overrides: Any,
+        **settings: Any,
+    ) -> None:
+        self._app = app
+        self._declared = tuple(declared)
+        self._enabled = enabled
+        self._overrides = overrides  # the dependency_overrides provider (FastAPI), or None
+        self._settings = settings
+        # The name and the claimed signature of each group of the whole chain's limits.
+        self._names: dict[tuple[object, ...], tuple[str, tuple[object, ...]]] = {}
+        self._ids = frozenset(id(d.declaration) for d in declared)
+        self._full = self._build([d.declaration for d in declared], whole=True)
+        self._chains: dict[tuple[int, ...], tuple[ASGIApp, frozenset[int]]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token = GUARDS.set(GUARDS.get() | self.ids)
+        chain, ids = self._full, self._ids
+        if not self._enabled:
+            chain = self._app
+        elif self._changed():
+            chain, ids = self._partial()
+        token = GUARDS.set(GUARDS.get() | ids)
         try:
-            await self.app(scope, receive, send)
+            await chain(scope, receive, send)
         finally:
             GUARDS.reset(token)
+
+    def _changed(self) -> bool:
+        """Whether a declaration is off, or the app overrides any dependency (the usual
+        answer, False, costs a look at each declaration and at one dict)."""
+        for declared in self._declared:
+            if not declared.declaration.enabled:
+                return True
+        provider = self._overrides
+        return provider is not None and bool(getattr(provider, "dependency_overrides", None))
+
+    def _in_force(self) -> list[Declaration]:
+        """The declarations this request runs: enabled ones, as the overrides leave them."""
+        provider = self._overrides
+        overrides: dict[Any, Any] = (
+            getattr(provider, "dependency_overrides", None) or {} if provider is not None else {}
+        )
+        active: list[Declaration] = []
+        for declared in self._declared:
+            declaration: Declaration | None = declared.declaration
+            if declared.via is not None and overrides:
+                declaration = _overridden(declared, overrides)
+            if declaration is not None and declaration.enabled:
+                active.append(declaration)
+        return active
+
+    def _partial(self) -> tuple[ASGIApp, frozenset[int]]:
+        active = self._in_force()
+        signature = tuple(id(d) for d in active)
+        found = self._chains.get(signature)
+        if found is not None:
+            return found
+        chain = self._build(active, whole=False) if active else self._app
+        if len(self._chains) >= _MAX_CHAINS:
+            self._chains.clear()
+        found = (chain, self._ids | frozenset(signature))
+        self._chains[signature] = found
+        return found
+
+    def _build(self, declared: list[Declaration], *, whole: bool) -> ASGIApp:
+        """The middlewares of ``declared`` around the route's app: rate limits outside
+        idempotency (a refused request never claims a key), unless the idempotency
+        declaration says replays do not count."""
+        settings = self._settings
+        pool: KeyPool = settings["pool"]
+        path: str = settings["path"]
+        websocket: bool = settings["websocket"]
+        methods: Iterable[str] | None = settings["methods"]
+        normalized = None if methods is None else sorted({normalize_method(m) for m in methods})
+        route = ("WS" if websocket else "+".join(normalized or ["*"])) + ":" + path
+        limits = [d for d in declared if isinstance(d, RouteLimit)]
+        idempotency = [d for d in declared if isinstance(d, RouteIdempotency)]
+        if len(idempotency) > 1:
+            raise ConfigurationError(f"route {route} declares idempotency more than once")
+        keyed: Callable[[ASGIApp], ASGIApp] | None = None
+        if idempotency:
+            keyed = _idempotency(idempotency[0], pool, route, path, websocket, normalized)
+        inner = self._app
+        replays_free = keyed is not None and not idempotency[0].count_replays
+        if keyed is not None and not replays_free:
+            inner = keyed(inner)
+        # Limits declared with the same key and options are one rule: checked all-or-nothing.
+        groups: dict[tuple[object, ...], list[RouteLimit]] = {}
+        for declared_limit in limits:
+            group: tuple[object, ...] = (
+                id(declared_limit.key),
+                declared_limit.name,
+                declared_limit.shared,
+                declared_limit.dry_run,
+                declared_limit.fail_open,
+                tuple(map(id, declared_limit.exempt)),
+            )
+            groups.setdefault(group, []).append(declared_limit)
+        for i, (group, members) in enumerate(reversed(list(groups.items()))):
+            first = members[0]
+            named = self._names.get(group)
+            claimed = None
+            derived = None
+            if named is not None and not whole:
+                derived, claimed = named  # this group's namespace in the whole chain
+            elif first.name is None:
+                derived = f"route:{route}" + (f"#{len(groups) - i}" if len(groups) > 1 else "")
+                if not whole:  # a group only an override brought: never one of the whole's
+                    derived = f"route:{route}#override{i + 1}"
+            rule = _RouteRule(
+                # The same limit declared twice (on a router and on its route) is counted once.
+                tuple(dict.fromkeys(limit for member in members for limit in member.limits)),
+                route=route,
+                derived=derived,
+                claimed=claimed,
+                name=first.name,
+                shared=first.shared,
+                websocket=websocket,
+            )
+            if whole:
+                self._names[group] = (rule.name, rule.signature())
+            inner = RateLimitMiddleware(
+                inner,
+                pool=pool,
+                rules=rule,
+                key=first.key if first.key is not None else settings["key"],
+                exempt=first.exempt,
+                dry_run=first.dry_run,
+                fail_open=first.fail_open,
+                on_refused=settings["on_refused"],
+                headers=settings["headers"],
+            )
+        if keyed is not None and replays_free:
+            inner = keyed(inner)
+        return inner
+
+
+def _overridden(declared: Declared, overrides: dict[Any, Any]) -> Declaration | None:
+    """What FastAPI runs for a dependency declaration under ``overrides``: itself, its
+    replacement if that is a porch declaration of the same kind, or nothing (another
+    callable replaces it, or replaces every dependency leading to it)."""
+    declaration = declared.declaration
+    reached = any(
+        not any(call in overrides for call in chain if _hashable(call))
+        for chain in declared.via or ()
+    )
+    if not reached:
+        return None
+    replacement: object = overrides.get(declaration, declaration)
+    if isinstance(replacement, _kind(declaration)):
+        return replacement
+    return None
+
+
+def _kind(declaration: Declaration) -> type[RouteLimit] | type[RouteIdempotency]:
+    return RouteLimit if isinstance(declaration, RouteLimit) else RouteIdempotency
+
+
+def _hashable(call: object) -> bool:
+    try:
+        hash(call)
+    except TypeError:
+        return False
+    return True
+
+
+def _idempotency(
+    declared: RouteIdempotency,
+    pool: KeyPool,
+    route: str,
+    path: str,
+    websocket: bool,
+    normalized: list[str] | None,
+) -> Callable[[ASGIApp], ASGIApp]:
+    """The idempotency middleware of a route, validated now, as a wrapper of its app."""
+    if websocket:
+        raise ConfigurationError(f"idempotency cannot be declared on a WebSocket route {path}")
+    honoured = declared.methods or (_UNSAFE & set(normalized or _UNSAFE))
+    if not honoured:
+        raise ConfigurationError(
+            f"idempotency on route {route} has no unsafe method to honour; pass methods="
+        )
+    rule = IdempotencyRule(
+        methods=honoured,
+        required=declared.required,
+        digest_headers=[n.decode("latin-1") for n in declared.rule.digest_headers],
+    )
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        return IdempotencyMiddleware(app, pool=pool, rules=rule, **declared.settings)
+
+    return wrap
 
 
 def guard(
@@ -194,72 +466,26 @@ def guard(
     path: str,
     methods: Iterable[str] | None,
     websocket: bool,
-    limits: list[RouteLimit],
-    idempotency: list[RouteIdempotency],
+    declared: list[Declared],
     key: KeyFunc | None,
     on_refused: RefusalFactory,
     headers: HeaderStyle = "both",
+    enabled: bool = True,
+    overrides: Any = None,
 ) -> ASGIApp:
-    """``app`` (a route's) wrapped: rate limits outside (a refused request never claims a key),
-    idempotency inside. Every namespace is claimed on ``pool`` now."""
-    normalized = None if methods is None else sorted({normalize_method(m) for m in methods})
-    route = ("WS" if websocket else "+".join(normalized or ["*"])) + ":" + path
-    inner = app
-    if len(idempotency) > 1:
-        raise ConfigurationError(f"route {route} declares idempotency more than once")
-    if idempotency:
-        declared = idempotency[0]
-        if websocket:
-            raise ConfigurationError(f"idempotency cannot be declared on a WebSocket route {path}")
-        honoured = declared.methods or (_UNSAFE & set(normalized or _UNSAFE))
-        if not honoured:
-            raise ConfigurationError(
-                f"idempotency on route {route} has no unsafe method to honour; pass methods="
-            )
-        inner = IdempotencyMiddleware(
-            inner,
-            pool=pool,
-            rules=IdempotencyRule(
-                methods=honoured,
-                required=declared.required,
-                digest_headers=[n.decode("latin-1") for n in declared.rule.digest_headers],
-            ),
-            **declared.settings,
-        )
-    # Limits declared with the same key and options are one rule: checked all-or-nothing.
-    groups: dict[tuple[object, ...], list[RouteLimit]] = {}
-    for declared_limit in limits:
-        group = (
-            id(declared_limit.key),
-            declared_limit.name,
-            declared_limit.shared,
-            declared_limit.dry_run,
-            declared_limit.fail_open,
-        )
-        groups.setdefault(group, []).append(declared_limit)
-    for i, members in enumerate(reversed(list(groups.values()))):
-        first = members[0]
-        derived = None
-        if first.name is None:
-            derived = f"route:{route}" + (f"#{len(groups) - i}" if len(groups) > 1 else "")
-        rule = _RouteRule(
-            # The same limit declared twice (on a router and on its route) is counted once.
-            tuple(dict.fromkeys(limit for member in members for limit in member.limits)),
-            route=route,
-            derived=derived,
-            name=first.name,
-            shared=first.shared,
-            websocket=websocket,
-        )
-        inner = RateLimitMiddleware(
-            inner,
-            pool=pool,
-            rules=rule,
-            key=first.key if first.key is not None else key,
-            exempt=(),
-            dry_run=first.dry_run,
-            fail_open=first.fail_open,
-            on_refused=on_refused,
-            headers=headers,
-        )
-    return _Mark(inner, frozenset(id(d) for d in [*limits, *idempotency]))
+    """``app`` (a route's) behind the middlewares of its declarations (see _Guard). Every
+    namespace is claimed on ``pool`` now. ``overrides`` is the object whose
+    ``dependency_overrides`` FastAPI honours for this route (the app, or a router)."""
+    return _Guard(
+        app,
+        declared,
+        enabled=enabled,
+        overrides=overrides,
+        pool=pool,
+        path=path,
+        methods=methods,
+        websocket=websocket,
+        key=key,
+        on_refused=on_refused,
+        headers=headers,
+    )

@@ -38,10 +38,18 @@ from ..idempotency._middleware import DEFAULT_QUOTA
 from ..identity import KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle, Refusal, check_header_style
-from ..ratelimit._middleware import RefusalFactory
+from ..ratelimit._middleware import Exemption, RefusalFactory
 from ..ratelimit._rules import Limit
 from ..store.base import Quota
-from ._routes import GUARDS, RouteIdempotency, RouteLimit, guard, raising_refusal
+from ._routes import (
+    GUARDS,
+    Declaration,
+    Declared,
+    RouteIdempotency,
+    RouteLimit,
+    guard,
+    raising_refusal,
+)
 
 try:
     from starlette.exceptions import HTTPException
@@ -59,6 +67,8 @@ E = TypeVar("E", bound=Callable[..., Any])
 _DECLARED = "__porch_route__"
 # Set on what install() guarded (a route, or FastAPI's context of an included one).
 _GUARDED = "_porch_installed"
+# How deep dependencies are searched for declarations (FastAPI's trees are shallow).
+_DEPTH = 32
 
 
 class RateLimitExceeded(errors.RateLimitExceeded, HTTPException):
@@ -86,14 +96,25 @@ def limit(
     shared: bool = False,
     dry_run: bool = False,
     fail_open: bool = False,
+    exempt: Exemption | Iterable[Exemption] = (),
+    enabled: bool = True,
 ) -> Callable[[E], E]:
     """Declare a rate limit on an endpoint (function or endpoint class; HTTP or WebSocket).
 
     Several rates in one declaration (``"100/day; 10/second"``) are one rule,
     checked all-or-nothing; so are several ``@limit`` with the same key and options.
+    ``exempt``: predicates on the request's scope (sync or async) that exempt it;
+    ``enabled=False`` declares the limit switched off.
     """
     declaration = RouteLimit(
-        rate, key=key, name=name, shared=shared, dry_run=dry_run, fail_open=fail_open
+        rate,
+        key=key,
+        name=name,
+        shared=shared,
+        dry_run=dry_run,
+        fail_open=fail_open,
+        exempt=exempt,
+        enabled=enabled,
     )
     return functools.partial(_declare, declaration)
 
@@ -109,8 +130,15 @@ def idempotent(
     max_body: int = 1 << 20,
     max_stored: int = 1 << 20,
     quota: Quota = DEFAULT_QUOTA,
+    count_replays: bool = True,
+    enabled: bool = True,
 ) -> Callable[[E], E]:
-    """Honour ``Idempotency-Key`` on an endpoint's unsafe methods (see IdempotencyMiddleware)."""
+    """Honour ``Idempotency-Key`` on an endpoint's unsafe methods (see IdempotencyMiddleware).
+
+    ``count_replays``: whether a replay counts against the route's rate limits (True:
+    the limits run first, for every request; False: a replay, a 409 or a 422 answers
+    before them and consumes nothing). ``enabled=False`` declares it switched off.
+    """
     declaration = RouteIdempotency(
         required=required,
         methods=methods,
@@ -121,6 +149,8 @@ def idempotent(
         max_body=max_body,
         max_stored=max_stored,
         quota=quota,
+        count_replays=count_replays,
+        enabled=enabled,
     )
     return functools.partial(_declare, declaration)
 
@@ -200,6 +230,7 @@ def install(
     key: KeyFunc | None = None,
     headers: HeaderStyle = "both",
     manage_pool: bool = True,
+    enabled: bool = True,
 ) -> int:
     """Guard every route of ``app`` (Starlette or FastAPI: included routers, mounts, hosts and
     mounted apps too) that declares limits or idempotency; returns how many. Call it once the
@@ -211,6 +242,12 @@ def install(
     responses carry (see :class:`~porch.RateLimitMiddleware`). At startup (the app's
     lifespan) the routes are walked again, so routes added after this call are guarded
     too; ``manage_pool`` also opens the pool then and closes it at shutdown.
+
+    ``enabled=False`` installs every route switched off, as the middlewares' off switch:
+    each runs unlimited and never opens the store (everything is still validated).
+    A declaration is switched off alone with its ``enabled`` attribute, and a FastAPI
+    dependency declaration by ``app.dependency_overrides`` (a replacement that is itself
+    a porch declaration of the same kind applies instead).
     """
     if not isinstance(pool, KeyPool):
         raise ConfigurationError("pool must be a porch KeyPool")
@@ -223,7 +260,7 @@ def install(
     def guard_all() -> int:
         guarded = 0
         for route, path in _walk(app.routes, ""):
-            if _guard(route, path, pool, key, headers, on_refused):
+            if _guard(route, path, pool, key, headers, on_refused, enabled):
                 guarded += 1
         if guarded and hasattr(app, "openapi_schema"):
             app.openapi_schema = None  # FastAPI caches its schema: rebuild with the additions
@@ -233,7 +270,7 @@ def install(
     router = getattr(app, "router", None)
     if router is not None and hasattr(router, "lifespan_context"):
         router.lifespan_context = _at_startup(
-            router.lifespan_context, guard_all, pool if manage_pool else None
+            router.lifespan_context, guard_all, pool if manage_pool and enabled else None
         )
     return guarded
 
@@ -245,6 +282,7 @@ def _guard(
     key: KeyFunc | None,
     headers: HeaderStyle,
     on_refused: RefusalFactory,
+    enabled: bool,
 ) -> bool:
     """Wrap ``route.app`` in porch's guard if it declares anything; whether it is guarded."""
     if getattr(route, _GUARDED, False):
@@ -252,8 +290,6 @@ def _guard(
     declared = _declarations(route)
     if not declared:
         return False
-    limits = [d for d in declared if isinstance(d, RouteLimit)]
-    idempotency = [d for d in declared if isinstance(d, RouteIdempotency)]
     websocket = isinstance(route, WebSocketRoute)
     route.app = guard(
         route.app,
@@ -261,57 +297,92 @@ def _guard(
         path=path,
         methods=None if websocket else getattr(route, "methods", None),
         websocket=websocket,
-        limits=limits,
-        idempotency=idempotency,
+        declared=declared,
         key=key,
         on_refused=on_refused,
         headers=headers,
+        enabled=enabled,
+        overrides=getattr(route, "dependency_overrides_provider", None),
     )
     setattr(route, _GUARDED, True)
+    limits = [d.declaration for d in declared if isinstance(d.declaration, RouteLimit)]
+    idempotency = [d.declaration for d in declared if isinstance(d.declaration, RouteIdempotency)]
     _document(route, limits, idempotency, headers)
     return True
 
 
 def _walk(routes: Iterable[Any], prefix: str) -> Iterable[tuple[Any, str]]:
-    """Every route that runs an endpoint, with its full path template: inside mounts, hosts
-    and mounted apps, and inside FastAPI's included routers.
+    """Every route that runs an endpoint, with its full path template (under a ``Host``, the
+    host pattern first: the same path on two hosts is two routes): inside mounts, hosts
+    and mounted apps (also behind the app's own middlewares), and inside FastAPI's
+    included routers.
 
     What is yielded has the ``app`` the router calls for that route: the route itself, or,
     for a route of a router FastAPI includes lazily (0.13x and newer), FastAPI's context for
     that inclusion (its own app, full path and dependencies: the router's and the
     ``include_router`` call's too). Older FastAPI copies included routes into the app.
+    A route of another kind that declares anything is a ConfigurationError: porch could
+    not guard it, and it must not run unlimited.
     """
     for route in routes:
-        if isinstance(route, Mount | Host):
-            inner = prefix + route.path if isinstance(route, Mount) else prefix
-            yield from _walk(route.routes, inner)
+        if isinstance(route, Mount):
+            yield from _walk(_mounted_routes(route), prefix + route.path)
+        elif isinstance(route, Host):
+            yield from _walk(_mounted_routes(route), route.host + prefix)
         elif isinstance(route, Route | WebSocketRoute):
             yield route, prefix + route.path
         else:
             contexts = getattr(route, "effective_route_contexts", None)
-            if contexts is None:
-                continue
-            for context in contexts():
-                inner = context.starlette_route
-                if inner is None:  # an APIRoute: its context holds this inclusion's app
-                    yield context, prefix + context.path
-                else:  # a plain route, mount or host, copied for this inclusion
-                    yield from _walk([inner], prefix)
+            if contexts is not None:
+                for context in contexts():
+                    inner = context.starlette_route
+                    if inner is None:  # an APIRoute: its context holds this inclusion's app
+                        yield context, prefix + context.path
+                    else:  # a plain route, mount or host, copied for this inclusion
+                        yield from _walk([inner], prefix)
+            elif hasattr(route, "endpoint") and _declarations(route):
+                raise ConfigurationError(
+                    f"porch cannot install the limits or idempotency declared on"
+                    f" {route!r} (a {type(route).__qualname__}): install() guards Route,"
+                    " WebSocketRoute and FastAPI's routes, inside Mount and Host; declare"
+                    " them on one of those, or use the app-level middlewares"
+                )
 
 
-def _declarations(route: Any) -> list[RouteLimit | RouteIdempotency]:
-    """Declarations on the endpoint (decorators) and in FastAPI dependencies, in order."""
-    found: list[RouteLimit | RouteIdempotency] = list(getattr(route.endpoint, _DECLARED, ()))
+def _mounted_routes(route: Mount | Host) -> list[Any]:
+    """The routes of a mount or host: of its app, found behind the app's own middlewares
+    (pure ASGI middlewares keep the app they wrap as ``.app``)."""
+    routes = route.routes
+    if routes:
+        return list(routes)
+    app = getattr(route, "_base_app", None) or getattr(route, "app", None)
+    for _ in range(_DEPTH):
+        if app is None:
+            break
+        found = getattr(app, "routes", None)
+        if isinstance(found, list | tuple) and found:
+            return list(found)
+        app = getattr(app, "app", None)
+    return []
+
+
+def _declarations(route: Any) -> list[Declared]:
+    """Declarations on the endpoint (decorators) and in FastAPI dependencies, in order, each
+    dependency with the chains of dependencies that lead to it."""
+    found: list[Declared] = [Declared(d) for d in getattr(route.endpoint, _DECLARED, ())]
     dependant = getattr(route, "dependant", None)
-    stack = list(getattr(dependant, "dependencies", ()))
-    seen: set[int] = set()
+    chains: dict[int, tuple[Declaration, list[tuple[Callable[..., Any], ...]]]] = {}
+    stack: list[tuple[Any, tuple[Callable[..., Any], ...]]] = [
+        (d, ()) for d in getattr(dependant, "dependencies", ())
+    ]
     while stack:
-        dependency = stack.pop(0)
+        dependency, above = stack.pop(0)
         call = getattr(dependency, "call", None)
-        if isinstance(call, RouteLimit | RouteIdempotency) and id(call) not in seen:
-            seen.add(id(call))
-            found.append(call)
-        stack.extend(getattr(dependency, "dependencies", ()))
+        if isinstance(call, RouteLimit | RouteIdempotency):
+            chains.setdefault(id(call), (call, []))[1].append(above)
+        if call is not None and len(above) < _DEPTH:
+            stack.extend((d, (*above, call)) for d in getattr(dependency, "dependencies", ()))
+    found.extend(Declared(d, tuple(via)) for d, via in chains.values())
     return found
 
 

@@ -6,10 +6,11 @@ key and answers with the store's decision.
 """
 
 from ._decisions import HeaderStyle, PolicyState, Refusal
-from ._middleware import RateLimitMiddleware, RefusalFactory
+from ._middleware import Exemption, RateLimitMiddleware, RefusalFactory
 from ._rules import Limit, Rule
 
 __all__ = [
+    "Exemption",
     "HeaderStyle",
     "Limit",
     "PolicyState",

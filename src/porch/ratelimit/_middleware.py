@@ -9,9 +9,10 @@ never reads or writes a counter itself.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from .._asgi import adding_headers, pass_through, route_path, websocket_denial
 from .._eventlog import EventLog
@@ -43,12 +44,14 @@ from ._decisions import (
 from ._refusals import RefusalMemory
 from ._rules import Rule
 
-__all__ = ["PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
+__all__ = ["Exemption", "PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
 
 logger = logging.getLogger("porch.ratelimit")
 
 
 RefusalFactory = Callable[[Scope, Refusal], ASGIApp]
+#: A predicate on the request's scope (sync, or async): True exempts the request.
+Exemption = Callable[[Scope], bool | Awaitable[bool]]
 
 
 def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
@@ -87,8 +90,12 @@ class RateLimitMiddleware:
     """Limit requests per client with durable, exact fixed-window counters.
 
     ``rules`` are tried in order and the first that selects a request applies;
-    requests no rule selects, and ``exempt`` paths (exact, or a prefix when the
-    entry ends in ``/``), pass untouched and consume nothing. ``key`` finds the
+    requests no rule selects, and ``exempt`` ones, pass untouched and consume
+    nothing. ``exempt`` holds paths (exact, or a prefix when the entry ends in
+    ``/``) and predicates: a callable given the request's scope, returning (or, if
+    async, awaiting to) True to exempt it — staff users (``scope["user"]`` set by
+    the app's authentication middleware), an internal network. A predicate runs
+    only for a request a rule selects, before its key is found. ``key`` finds the
     client (default: the connection's peer host; see :class:`ClientIdentity`).
     ``dry_run`` counts and reports but never refuses. A store failure answers 503
     unless ``fail_open`` lets the request through uncounted; saturation always
@@ -110,7 +117,7 @@ class RateLimitMiddleware:
         pool: KeyPool,
         rules: Sequence[Rule] | Rule,
         key: KeyFunc | None = None,
-        exempt: Iterable[str] = ("/health",),
+        exempt: Iterable[str | Exemption] = ("/health",),
         dry_run: bool = False,
         fail_open: bool = False,
         on_refused: RefusalFactory = default_refusal,
@@ -159,12 +166,22 @@ class RateLimitMiddleware:
         )
         self._websocket = any(r.websocket for r in rules)
         self._key: KeyFunc = key if key is not None else ClientIdentity()
-        exempt = tuple(exempt)
-        for path in exempt:
-            if not path.startswith("/"):
-                raise ConfigurationError(f"exempt paths must start with '/', got {path!r}")
-        self._exact = frozenset(p for p in exempt if not p.endswith("/") or p == "/")
-        self._prefixes = tuple(p for p in exempt if p.endswith("/") and p != "/")
+        if isinstance(exempt, str) or callable(exempt):
+            exempt = (exempt,)
+        paths: list[str] = []
+        predicates: list[Exemption] = []
+        for entry in exempt:
+            if callable(entry):
+                predicates.append(entry)
+            elif not isinstance(entry, str) or not entry.startswith("/"):
+                raise ConfigurationError(
+                    f"exempt paths must start with '/' (or be predicates), got {entry!r}"
+                )
+            else:
+                paths.append(entry)
+        self._exact = frozenset(p for p in paths if not p.endswith("/") or p == "/")
+        self._prefixes = tuple(p for p in paths if p.endswith("/") and p != "/")
+        self._predicates = tuple(predicates)
         self.dry_run = dry_run
         self.fail_open = fail_open
         self._on_refused = on_refused
@@ -223,6 +240,9 @@ class RateLimitMiddleware:
             if compiled is None:
                 await self.app(scope, receive, send)
                 return
+        if self._predicates and await self._exempted(scope):
+            await self.app(scope, receive, send)
+            return
         if kind == "websocket":
             # Refused before accept: porch's HTTP answers become a denial response.
             send = websocket_denial(scope, send)
@@ -309,6 +329,16 @@ class RateLimitMiddleware:
         elif counters is not None:
             counters[0].inc()
         await self.app(scope, receive, adding_headers(send, headers) if headers else send)
+
+    async def _exempted(self, scope: Scope) -> bool:
+        """Whether an exemption predicate exempts the request (the first True wins)."""
+        for predicate in self._predicates:
+            answer = predicate(scope)
+            if inspect.isawaitable(answer):
+                answer = await answer
+            if answer:
+                return True
+        return False
 
     async def _ask_store(
         self, keys: list[str], compiled: _CompiledRule, client: str
