@@ -74,17 +74,22 @@ class Backend:
 
     async def store(self, **options: Any) -> Store:
         """A newly opened store on this test's data: another 'process' or 'host'."""
-        if self.clock is not None:
-            options.setdefault("clock", self.clock)
-        store: Store = self._factory(self._target, **self.isolation, **options)
+        store = self.to_open(**options)
         await store.open()
-        self.stores.append(store)
         # PostgreSQL's open() does not wait for its LISTEN connection, which wakes every
         # watch once it connects (tests/store/postgres/test_listener.py): have it, so a
         # test's watches see only the wakes it causes, and a server stop is a reconnect.
         listening = getattr(store.claims, "connected", None)
         if listening is not None:
             await asyncio.wait_for(listening.wait(), 20)
+        return store
+
+    def to_open(self, **options: Any) -> Store:
+        """A store on this test's data for the test to open (closed at teardown all the same)."""
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        store: Store = self._factory(self._target, **self.isolation, **options)
+        self.stores.append(store)
         return store
 
     async def close_store(self, store: Store) -> None:

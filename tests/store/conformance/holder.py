@@ -5,8 +5,10 @@ prints the claim as one JSON line (KEY ``-``: claims nothing). Then, one command
 per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
 201 with BODY, fenced by the claim's token), ``release``, ``hit KEY AMOUNT
 WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``probe-clock``
-(this process's own wall clock), ``exit``. The tests kill it (-9) or freeze it
-(SIGSTOP) in between; while it waits for a command it costs no CPU.
+(this process's own wall clock), ``block SECONDS`` (answers ``blocking``, then
+blocks its event loop with synchronous work, as a handler doing sync I/O in an
+``async def`` does, then answers ``blocked``), ``exit``. The tests kill it (-9)
+or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 say(released=release.released)
             elif command == "probe-clock":  # what this process's own clock says
                 say(now=time.time())
+            elif command == "block":
+                say(blocking=True)
+                time.sleep(float(rest))  # noqa: ASYNC251 - the loop runs nothing meanwhile
+                say(blocked=True)
             elif command == "hit":
                 counter, amount, window = rest.split(" ")
                 hit = Hit([counter], [int(amount)], [float(window)])

@@ -13,18 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 from porch.errors import StoreError
-from porch.store.base import Claim, Hit, Store
+from porch.store.base import Claim, Hit, Release, Store
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
 
 from .conftest import Backend
 from .test_watch import Waiter
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+Op = TypeVar("Op", Claim, Release)
 
 FAILS_WITHIN = 7.0  # the ≤ 5 s default timeouts, plus a loaded machine's slack
 BACK_WITHIN = 20.0
@@ -104,21 +107,44 @@ async def test_a_frozen_server_fails_fast_and_the_store_recovers(backend: Backen
 
 async def test_watchers_are_woken_when_the_connection_comes_back(backend: Backend) -> None:
     """A wake-up published while the waiter's connection was down is lost: after a
-    reconnect every watched key is woken once, and its waiter claims again."""
+    reconnect every watched key is woken once, and its waiter claims again; wake-ups
+    flow again on the new connection."""
     with own_server(backend) as server:
         on = backend.on(server.url)
         try:
             holder, waiters_store = await on.store(lease=30.0), await on.store()
-            mine = Claim("rc")
-            await holder.apply([mine])
+            mine, later = Claim("rc"), Claim("rc:later")
+            await holder.apply([mine, later])
             held = Claim("rc")
             await waiters_store.apply([held])
             assert held.held
-            waiter = Waiter(waiters_store, "rc", held.retry_after)
+            waiters = [Waiter(waiters_store, "rc", held.retry_after) for _ in range(2)]
             server.stop()
             await asyncio.sleep(0.5)  # an outage
             server.start()
-            await waiter.wait(within=BACK_WITHIN)
+            for waiter in waiters:
+                await waiter.wait(within=BACK_WITHIN)
             assert waiters_store.claims.reconnects == 1  # type: ignore[attr-defined]
+            # Subscribed again: the next release reaches a new watch (30 s lease: no timer).
+            found = await applied(waiters_store, lambda: Claim("rc:later"))
+            assert found.held
+            again = Waiter(waiters_store, "rc:later", found.retry_after)
+            await applied(holder, lambda: Release("rc:later", later.token))
+            await again.wait(within=BACK_WITHIN)
+            assert [w.wakes for w in (*waiters, again)] == [1, 1, 1]
         finally:
             await on.close()
+
+
+async def applied(store: Store, make: Callable[[], Op]) -> Op:
+    """An op applied once the store serves again (its connections come back by themselves)."""
+    started = time.monotonic()
+    while True:
+        op = make()
+        try:
+            await store.apply([op])
+            return op
+        except StoreError:
+            if time.monotonic() - started > BACK_WITHIN:
+                raise
+            await asyncio.sleep(0.2)

@@ -9,14 +9,13 @@ without being reopened", not a latency.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from porch.errors import StoreError
-from porch.store.base import Claim, Hit, Release
+from porch.store.base import Hit
 from porch.store.postgres import PostgresStore
 from servers import PostgresServer, running_postgres
 
@@ -91,42 +90,5 @@ async def test_a_frozen_server_fails_within_the_timeouts_and_the_store_recovers(
             server.thaw()
         hit = await _served_again(store)
         assert hit.counts[0] >= 2  # a batch the frozen server had received may have committed
-    finally:
-        await store.close()
-
-
-async def test_the_listener_reconnects_and_wakes_every_watched_key(server: PostgresServer) -> None:
-    store = _store(server.url, lease=30.0)
-    await store.open()
-    try:
-        await asyncio.wait_for(store.claims.connected.wait(), 10)
-        woken: list[str] = []
-        both = asyncio.Event()
-
-        def wake(key: str) -> None:
-            woken.append(key)
-            if len(woken) == 2:
-                both.set()
-
-        for key in ("a", "b"):
-            store.claims.watch(key, functools.partial(wake, key), 60.0)
-        server.stop()
-        server.start()
-        await asyncio.wait_for(both.wait(), 20)
-        # Woken by the reconnect, long before their 60 s timers.
-        assert sorted(woken) == ["a", "b"]
-        assert store.claims.reconnects == 1
-        # And notifications flow again on the new connection.
-        other = _store(server.url, lease=30.0)
-        await other.open()
-        try:
-            claim = Claim("c")
-            await other.apply([claim])
-            seen = asyncio.Event()
-            store.claims.watch("c", seen.set, 60.0)
-            await other.apply([Release("c", claim.token)])
-            await asyncio.wait_for(seen.wait(), 10)
-        finally:
-            await other.close()
     finally:
         await store.close()

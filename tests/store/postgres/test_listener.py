@@ -15,6 +15,7 @@ import pytest
 
 from porch.store.base import Claim, Release
 from porch.store.postgres import PostgresStore
+from porch.store.postgres.claims import Listen
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -27,13 +28,15 @@ async def test_a_watch_made_before_the_listener_listens_is_woken(
     holder = PostgresStore(postgres_url, schema=schema, lease=LONG_LEASE)
     waiters = PostgresStore(postgres_url, schema=schema)
     listening = asyncio.Event()
-    connect = waiters.claims._connect
+    listen = waiters.claims.channel
+    assert isinstance(listen, Listen)
+    connect = listen._connect
 
     async def held_back() -> Any:
         await listening.wait()
         return await connect()
 
-    waiters.claims._connect = held_back
+    listen._connect = held_back
     await holder.open()
     await waiters.open()
     try:

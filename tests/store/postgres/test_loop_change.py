@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from porch import KeyPool, Limit, RateLimitMiddleware, Rule, open_store
 from porch.store.postgres import PostgresStore
+from porch.store.postgres.claims import Listen
 from support import in_thread
 
 pytestmark = pytest.mark.postgres
@@ -96,7 +97,9 @@ def test_a_loop_that_ends_as_the_listener_starts_listening_ends(postgres_url: st
     and the loop's end waited for it forever."""
     schema = f"loops_{uuid.uuid4().hex[:12]}"
     store = PostgresStore(postgres_url, schema=schema)
-    connect = store.claims._connect
+    listen = store.claims.channel
+    assert isinstance(listen, Listen)
+    connect = listen._connect
 
     async def main() -> None:
         replied = asyncio.Event()
@@ -104,7 +107,7 @@ def test_a_loop_that_ends_as_the_listener_starts_listening_ends(postgres_url: st
         async def listening_as_the_loop_ends() -> Any:
             return _ListeningAsTheLoopEnds(await connect(), replied)
 
-        store.claims._connect = listening_as_the_loop_ends
+        listen._connect = listening_as_the_loop_ends
         await store.open()
         await replied.wait()
 

@@ -1,9 +1,8 @@
-"""Redis specifics beyond the conformance suite: scripts, pipelines, keys, pool, heartbeat."""
+"""Redis specifics beyond the conformance suite: scripts, pipelines, keys, pool, publishing."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 import sys
 import uuid
@@ -17,7 +16,6 @@ from porch.errors import ConfigurationError
 from porch.store.base import Claim, Hit, Lookup, Save, StoredResponse
 from porch.store.redis import RedisStore
 from servers import running_redis
-from support import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -117,79 +115,6 @@ async def test_a_busy_pool_makes_callers_wait_instead_of_failing(
         await store.close()
     values = await client.mget([store.names.counter(f"busy{i}") for i in range(3)])
     assert sorted(int(v) for v in values if v is not None) == [20, 20, 20]
-
-
-async def test_the_heartbeat_keeps_a_live_holders_claim_past_its_lease(
-    redis_url: str, prefix: str
-) -> None:
-    holder = RedisStore(redis_url, prefix=prefix, lease=0.6)
-    other = RedisStore(redis_url, prefix=prefix, lease=0.6)
-    await holder.open()
-    await other.open()
-    try:
-        claim = Claim("s\x1fbeat")
-        await holder.apply([claim])
-        await asyncio.sleep(2.0)  # more than three leases
-        again = Claim("s\x1fbeat")
-        await other.apply([again])
-        assert again.held
-        assert again.retry_after is not None
-        assert again.retry_after <= 0.6
-        response = StoredResponse(b"d", 200, (), b"ok")
-        save = Save("s\x1fbeat", response, 60, token=claim.token)
-        await holder.apply([save])
-        assert save.outcome == "saved"
-    finally:
-        await holder.close()
-        await other.close()
-
-
-async def test_close_releases_the_claims_this_process_holds(redis_url: str, prefix: str) -> None:
-    holder = RedisStore(redis_url, prefix=prefix, lease=30.0)
-    other = RedisStore(redis_url, prefix=prefix, lease=30.0)
-    await holder.open()
-    await other.open()
-    try:
-        claims = [Claim(f"s\x1fclose{i}") for i in range(5)]
-        await holder.apply(claims)
-        woken: list[str] = []
-        for c in claims:
-            held = Claim(c.key)
-            await other.apply([held])
-            assert held.held
-            other.claims.watch(c.key, functools.partial(woken.append, c.key), held.retry_after)
-        await holder.close()
-        await until(lambda: len(woken) == 5, "every watch woken", within=10)
-        assert sorted(woken) == sorted(c.key for c in claims)  # by message, not lease (30 s)
-        taken = [Claim(c.key) for c in claims]
-        await other.apply(taken)
-        assert all(t.token > c.token for t, c in zip(taken, claims, strict=True))
-    finally:
-        await other.close()
-
-
-async def test_a_lost_subscription_wakes_every_watched_key_once(
-    store: RedisStore, client: redis.asyncio.Redis
-) -> None:
-    woken: list[str] = []
-    for i in range(3):
-        store.claims.watch(f"s\x1fw{i}", functools.partial(woken.append, f"w{i}"), None)
-    assert await client.client_kill_filter(_type="pubsub") >= 1
-    await until(lambda: len(woken) == 3, "every watch woken by the resubscription", within=20)
-    assert sorted(woken) == ["w0", "w1", "w2"]
-    assert store.claims.reconnects == 1
-    # Subscribed again: a save's message reaches a new watch.
-    late: list[int] = []
-    owner, waiter = Claim("s\x1flate"), Claim("s\x1flate")
-    await store.apply([owner])
-    await store.apply([waiter])
-    assert waiter.held
-    store.claims.watch("s\x1flate", lambda: late.append(1), None)
-    response = StoredResponse(b"d", 200, (), b"")
-    await store.apply([Save("s\x1flate", response, 60, token=owner.token)])
-    await until(lambda: late, "the save's message reached the new watch", within=10)
-    assert late == [1]
-    assert sorted(woken) == ["w0", "w1", "w2"]  # each woken once
 
 
 @pytest.mark.parametrize("appendfsync", ["everysec", "always"])

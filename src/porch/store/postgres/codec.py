@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .._leases import CLAIM, HeldLeases
 from ..alike import settle_alike
 from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
 from .hits import HitArrays
@@ -91,10 +92,9 @@ def arguments(
     ]  # fmt: skip
 
 
-def settle(
-    ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: dict[str, int]
-) -> None:
-    """Fill in each op's result from the function's rows; keep ``held`` (key -> token) current."""
+def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: HeldLeases) -> None:
+    """Fill in each op's result from the function's rows; keep ``held`` current (claims
+    taken and ended; a renewal's outcome is the heartbeat's to act on)."""
     wall = next((row[3] for row in rows if row[0] == 0), 0.0)
     for row in rows:
         i = row[0]
@@ -119,22 +119,19 @@ def settle(
                 claim.retry_after = row[3]
             else:
                 claim.token = row[2]
-                held[claim.key] = claim.token
+                held.hold(CLAIM, claim.key, claim.token)
         elif kind is Save:
             save: Any = op
             save.outcome = ("saved", "fenced", "quota")[code - 1]
-            if save.token and held.get(save.key) == save.token:
-                del held[save.key]
+            if save.token:
+                held.end(CLAIM, save.key, save.token)
         elif kind is Release:
             release: Any = op
             release.released = code == 1
-            if held.get(release.key) == release.token:
-                del held[release.key]
+            held.end(CLAIM, release.key, release.token)
         else:
             renew: Any = op
             renew.renewed = code == 1
-            if not renew.renewed and held.get(renew.key) == renew.token:
-                del held[renew.key]  # lost (taken over): stop renewing it
 
 
 def _stored(row: Any) -> StoredResponse:

@@ -11,12 +11,13 @@ never an app host's.
 
 What frees a claim whose holder died: its lease. A claim is a row with a fence
 token (from a sequence: strictly increasing) and ``lease_until`` in server
-time, renewed by this process's heartbeat every ``lease / 3`` seconds for every
-claim it holds, in one statement. A holder that crashes, is frozen (SIGSTOP)
-or is cut off stops renewing, and its key can be claimed again ``lease``
-seconds (default 3) after its last renewal; if it wakes up later, its Save is
-refused (``"fenced"``) because the key's token moved on. ``close()`` ends the
-claims of this process at once.
+time, renewed every ``lease / 3`` seconds for every claim this process holds,
+in one statement, by a heartbeat thread with a connection of its own (see
+:mod:`porch.store._leases`: a blocked event loop does not stop it). A holder
+that crashes, is frozen (SIGSTOP) or is cut off stops renewing, and its key can
+be claimed again ``lease`` seconds (default 3) after its last renewal; if it
+wakes up later, its Save is refused (``"fenced"``) because the key's token moved
+on. ``close()`` ends the claims of this process at once.
 
 Availability: connections are opened with ``connect_timeout``, statements run
 under a server-side ``statement_timeout``, and every batch also has a
@@ -38,12 +39,14 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
+from .._leases import CLAIM, Heartbeat, HeldLeases
+from .._watches import Watches
 from ..alike import collapse_hits
-from ..base import Capabilities, Claim, Hit, Release, StoreOp, StoreStatistics
+from ..base import Capabilities, Claim, Hit, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
-from .claims import ListenerClaims
-from .codec import Op, Renew, arguments, settle
+from .claims import Listen, Renewals, key_hash
+from .codec import Op, arguments, settle
 from .hits import hit_arguments, settle_hits
 from .schema import migrate, quote_schema, read_secret
 
@@ -88,8 +91,9 @@ class PostgresStore:
     asyncpg accepts). ``schema``: where porch keeps its tables (created and
     migrated on open). ``lease``: seconds a claim outlives its holder's last
     heartbeat. ``connections``: connections used for batches (plus one that
-    listens). ``connect_timeout`` / ``statement_timeout``: seconds before a
-    batch fails with StoreError when the server does not answer.
+    listens, and one for the heartbeat while this process holds claims).
+    ``connect_timeout`` / ``statement_timeout``: seconds before a batch fails
+    with StoreError when the server does not answer.
     ``in_flight``: batches one pool shard keeps out at once (its round trip,
     not the server's work, is what a shard waits on; see ``Capabilities.in_flight``).
     Four: a hot counter's batches queue on its row lock, each held through its
@@ -150,7 +154,12 @@ class PostgresStore:
         )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
-        self.claims = ListenerClaims(self._connect, self.channel, self.lease)
+        self.claims = Watches(
+            Listen(self._connect, self.channel, self.connect_timeout + self.statement_timeout),
+            key_hash,
+            lease=self.lease,
+            logger=logger,
+        )
         self._sql = (
             f"SELECT * FROM {quote_schema(schema)}.apply_v2("
             + ", ".join(f"${n}" for n in range(1, 22))
@@ -160,8 +169,8 @@ class PostgresStore:
         self._queue: asyncio.Queue[_Job | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
         self._workers: list[asyncio.Task[None]] = []
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._held: dict[str, int] = {}  # claims this process holds: key -> token
+        self._heartbeat: Heartbeat | None = None
+        self._held = HeldLeases()  # the claims this process holds
         self._transport_checked = False
         self._secret: bytes | None = None  # the schema's, read when it is opened
         self._transactions = 0
@@ -222,15 +231,25 @@ class PostgresStore:
             raise
         if version == 0:
             logger.info("porch: created the PostgreSQL schema %r", self.schema)
-        self._queue = asyncio.Queue()
+        queue = self._queue = asyncio.Queue()
         loop = self._loop = asyncio.get_running_loop()
         first: list[Any] = [conn]
         for i in range(self.connections):
-            self._workers.append(
-                loop.create_task(self._worker(first.pop() if first else None), name=f"porch-pg-{i}")
-            )
+            worker = self._worker(queue, first.pop() if first else None)
+            self._workers.append(loop.create_task(worker, name=f"porch-pg-{i}"))
         self.claims.start()
-        self._heartbeat = loop.create_task(self._renew_forever(), name="porch-pg-heartbeat")
+        # Leases of their own: a heartbeat left finishing by an earlier close() that was cut
+        # short releases only the claims of its time.
+        held = self._held = HeldLeases()
+        self._heartbeat = Heartbeat(
+            held,
+            lease=self.lease,
+            renewer=lambda: Renewals(self._connect, self._call, held),
+            deadline=self.connect_timeout + self.statement_timeout + 1.0,
+            name="porch-pg-heartbeat",
+            logger=logger,
+        )
+        self._heartbeat.start()
 
     async def _prepare(self, conn: Any) -> int:
         """Migrate the schema (the version found before), read its secret, and say once if
@@ -257,55 +276,25 @@ class PostgresStore:
         queue = self._queue
         if queue is None:
             return
-        if self._loop is not asyncio.get_running_loop():
-            await self._close_after_loop()
-            return
-        await stop_task(self._heartbeat)
-        self._heartbeat = None
-        if self._held:
-            # End this process's claims now, rather than at their lease's end.
-            ops = [Release(key, token) for key, token in sorted(self._held.items())]
-            try:
-                await self.apply(ops)
-            except StoreError as exc:
-                logger.warning("porch: could not end this process's claims on close: %s", exc)
         self._queue = None
-        for _ in self._workers:
-            queue.put_nowait(None)
-        # Each ends after its batch in flight (bounded by its statement deadline).
         workers, self._workers = self._workers, []
-        if workers:
-            await asyncio.wait(workers, timeout=self.statement_timeout + STOP_TIMEOUT)
+        if self._loop is asyncio.get_running_loop():
+            for _ in workers:
+                queue.put_nowait(None)  # after the batches queued before it
+            # Each ends after its batch in flight (bounded by its statement deadline).
+            if workers:
+                await asyncio.wait(workers, timeout=self.statement_timeout + STOP_TIMEOUT)
+        # One still running is cancelled, every error retrieved; of a loop that stopped
+        # (the pool moved to this one) they are only cancelled, never awaited: its runner
+        # cancelled them as it shut down, which closed their connections.
         for worker in workers:
-            await stop_task(worker)  # one still running is cancelled; every error retrieved
+            await stop_task(worker)
         await self.claims.stop()
-
-    async def _close_after_loop(self) -> None:
-        """close() on another loop, once the one the store ran on stopped (the pool moved).
-
-        That loop's tasks never run again, so none of them is awaited or woken
-        here (that would raise "Event loop is closed"). Its workers and listener
-        closed their connections as the loop shut down (its runner cancels every
-        task); this process's claims are ended on a connection of this loop.
-        """
-        self._queue = None
-        for task in (self._heartbeat, *self._workers):
-            await stop_task(task)  # of the stopped loop: cancelled, never awaited
-        self._heartbeat = None
-        self._workers.clear()
-        held, self._held = self._held, {}
-        if held:
-            ops: list[Op] = [Release(key, token) for key, token in sorted(held.items())]
-            try:
-                conn = await self._connect()
-                try:
-                    async with asyncio.timeout(self.statement_timeout):
-                        await conn.fetch(self._sql, *self._arguments(ops, {}))
-                finally:
-                    await _close(conn)
-            except Exception as exc:
-                logger.warning("porch: could not end this process's claims on close: %r", exc)
-        await self.claims.stop()
+        # End this process's claims now, rather than at their lease's end (on the
+        # heartbeat's own connection and loop: whatever loop this is).
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            await heartbeat.close()
 
     def admin(self) -> PostgresAdmin:
         """The operator's view of this schema (``porch inspect|reset|purge|check``)."""
@@ -319,7 +308,7 @@ class PostgresStore:
 
     def held(self) -> dict[str, int]:
         """The claims this process holds and renews (key -> token)."""
-        return dict(self._held)
+        return self._held.of(CLAIM)
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         await self._submit(ops)
@@ -339,26 +328,9 @@ class PostgresStore:
             self._failures += 1
             raise StoreError(f"PostgreSQL did not answer within {deadline:g}s") from exc
 
-    # -- the heartbeat -----------------------------------------------------------------------
-
-    async def _renew_forever(self) -> None:
-        while True:
-            stop_if_cancelled()
-            await asyncio.sleep(self.lease / 3)
-            if not self._held:
-                continue
-            renewals = [Renew(k, t) for k, t in self._held.items()]
-            try:
-                await self._submit(renewals)
-            except StoreError as exc:
-                logger.warning("porch: renewing idempotency claims failed: %s", exc)
-
     # -- the workers ---------------------------------------------------------------------
 
-    async def _worker(self, conn: Any) -> None:
-        queue = self._queue
-        if queue is None:  # pragma: no cover - open() creates the queue first
-            return
+    async def _worker(self, queue: asyncio.Queue[_Job | None], conn: Any) -> None:
         try:
             while True:
                 stop_if_cancelled()
@@ -429,11 +401,21 @@ class PostgresStore:
     def _arguments(self, ops: list[Op], alike: dict[int, list[Hit]]) -> list[Any]:
         return arguments(ops, alike, self.lease, self.prune_batch, self.channel)
 
+    async def _call(self, conn: Any, ops: list[Op]) -> Any:
+        """The batch function over ``ops`` on ``conn`` (the heartbeat's), bounded."""
+        try:
+            async with asyncio.timeout(self.statement_timeout + 0.5):
+                return await conn.fetch(self._sql, *self._arguments(ops, {}))
+        except TimeoutError as exc:
+            raise StoreError(
+                f"PostgreSQL did not answer within {self.statement_timeout + 0.5:g}s"
+            ) from exc
+
     def _forget(self, ops: Sequence[Op]) -> None:
         """Stop renewing claims taken for a caller that timed out: their leases lapse."""
         for op in ops:
-            if type(op) is Claim and op.token and self._held.get(op.key) == op.token:
-                del self._held[op.key]
+            if type(op) is Claim and op.token:
+                self._held.end(CLAIM, op.key, op.token)
 
 
 async def _close(conn: Any) -> None:

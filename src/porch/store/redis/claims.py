@@ -1,186 +1,127 @@
-"""Waiting for a claim held on another host: one pub/sub connection per process, no polling.
+"""What the Redis store's leases and watches do their own way: pub/sub, one pipeline.
 
-Save and Release scripts ``PUBLISH`` the logical key on the store's channel.
-Each process subscribes once (at open) and dispatches messages to the
-callbacks watching that key. A wake-up can arrive just before the watch that
-wants it (the claim's reply and the message travel on different
-connections), so a message nobody was watching is remembered for a moment
-and a watch that finds it wakes at once. Every watch also has a timer at the
-holder's lease end: the backstop when a message is lost (the holder died, or
-the connection dropped). After the subscription is re-established, every
-watched key is woken once, since messages may have been missed meanwhile.
+The engine is shared with the PostgreSQL store (:mod:`porch.store._watches`,
+:mod:`porch.store._leases`); here is how Redis does its two parts:
+
+- a wake-up: the Save and Release scripts ``PUBLISH`` the logical key on the
+  store's channel (only when a Claim found it held: uncontended keys cost no
+  message). One connection per process is subscribed (:class:`Subscription`);
+- a renewal: every lease the process holds, extended by the ``renew`` script,
+  all in one pipeline on the heartbeat's own client (:class:`Renewals`); a
+  release at close is one pipeline of ``release`` scripts, which publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..._tasks import stop_if_cancelled, stop_task
+from ..._tasks import stop_if_cancelled
+from ...errors import StoreError
+from .._leases import CLAIM, Lease
+from .commands import Command
+from .keys import KeyNames
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["RedisClaims"]
+__all__ = ["Renewals", "Subscription"]
 
-logger = logging.getLogger("porch.store")
-
-# A wake-up nobody was watching yet is kept this long (loop seconds), at most _RECENT_MAX.
-_RECENT_FOR = 2.0
-_RECENT_MAX = 4096
-# The backstop timer fires this long after the lease's end, so the re-claim finds it lapsed.
-_AFTER_LEASE = 0.05
 # Closing the subscription never waits longer on a server that does not answer.
 _CLOSE_TIMEOUT = 1.0
 
 
-class _Watch:
-    __slots__ = ("fired", "key", "owner", "timer", "wake")
+class Subscription:
+    """The store's :class:`~porch.store._watches.Channel`: one pub/sub subscription.
 
-    def __init__(self, owner: RedisClaims, key: str, wake: Callable[[], None]) -> None:
-        self.owner = owner
-        self.key = key
-        self.wake = wake
-        self.timer: asyncio.TimerHandle | None = None
-        self.fired = False
+    ``client``: a client of its own (one connection), set before the listener starts.
+    """
 
-    def fire(self) -> None:
-        if self.fired:
-            return
-        self.cancel()
-        try:
-            self.wake()
-        except Exception:  # one waiter's bug must not stop the others' wake-ups
-            logger.exception("porch: a claim wake-up failed")
+    name = "the Redis wake-up channel"
 
-    def cancel(self) -> None:
-        self.fired = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        watches = self.owner.watches.get(self.key)
-        if watches is not None:
-            watches.discard(self)
-            if not watches:
-                del self.owner.watches[self.key]
-
-
-class RedisClaims:
-    """The store's :class:`~porch.store.base.Claims`: pub/sub wake-ups plus lease-end timers."""
-
-    def __init__(self, channel: bytes, *, reconnect_delay: float) -> None:
+    def __init__(self, channel: bytes) -> None:
         self.channel = channel
-        self.reconnect_delay = reconnect_delay
-        self.watches: dict[str, set[_Watch]] = {}
-        self._recent: OrderedDict[str, float] = OrderedDict()
-        self._task: asyncio.Task[None] | None = None
-        self._subscribed: asyncio.Event | None = None
-        self.reconnects = 0
+        self.client: Redis | None = None
 
-    def watch(
-        self, key: str, wake: Callable[[], None], retry_after: float | None
-    ) -> Callable[[], None]:
-        loop = asyncio.get_running_loop()
-        watch = _Watch(self, key, wake)
-        seen = self._recent.pop(key, None)
-        if seen is not None and loop.time() - seen <= _RECENT_FOR:
-            watch.fired = True
-            loop.call_soon(wake)
-            return watch.cancel
-        self.watches.setdefault(key, set()).add(watch)
-        if retry_after is not None:
-            watch.timer = loop.call_later(max(0.0, retry_after) + _AFTER_LEASE, watch.fire)
-        return watch.cancel
-
-    # -- the subscriber ------------------------------------------------------------
-
-    async def start(self, client: Redis, wait: float) -> None:
-        """Subscribe on ``client`` (a connection of its own); return once subscribed."""
-        self._subscribed = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(
-            self._listen(client), name="porch-redis-claims"
-        )
+    async def listen(self, deliver: Callable[[str], None], ready: Callable[[], None]) -> None:
+        if self.client is None:
+            raise StoreError("the Redis store is not open")
+        pubsub = self.client.pubsub()
         try:
-            async with asyncio.timeout(wait):
-                await self._subscribed.wait()
-        except TimeoutError:
-            await self.stop()
-            raise
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        # Of a loop that stopped (the store moved to this one), it is only cancelled.
-        await stop_task(task)
-        for watches in list(self.watches.values()):
-            for watch in list(watches):
-                watch.cancel()
-        self._recent.clear()
-
-    async def _listen(self, client: Redis) -> None:
-        first = True
-        failing = False
-        while True:
+            await pubsub.subscribe(self.channel)
             # A cancel that redis-py lost (Python 3.11's wait_for, in its send path) still
-            # ends this task before it waits on the channel again: see porch._tasks.
+            # ends this before it waits on the channel again: see porch._tasks.
             stop_if_cancelled()
-            pubsub = client.pubsub()
-            try:
-                await pubsub.subscribe(self.channel)
+            async for message in pubsub.listen():
                 stop_if_cancelled()
-                async for message in pubsub.listen():
-                    stop_if_cancelled()
-                    kind = message["type"]
-                    if kind == "message":
-                        self._dispatch(message["data"])
-                    elif kind == "subscribe":
-                        if failing:
-                            logger.warning("porch: Redis wake-up channel reconnected")
-                            failing = False
-                        if not first:
-                            # Messages may have been missed while disconnected.
-                            self.reconnects += 1
-                            self._wake_all()
-                        first = False
-                        if self._subscribed is not None:
-                            self._subscribed.set()
-            except asyncio.CancelledError:
-                await _close(pubsub)
-                raise
-            except Exception as exc:
-                if not failing:
-                    logger.warning("porch: Redis wake-up channel lost (%s); reconnecting", exc)
-                    failing = True
-            await _close(pubsub)
-            await asyncio.sleep(self.reconnect_delay)
-
-    def _dispatch(self, data: Any) -> None:
-        key = bytes(data).decode("utf-8", "surrogatepass")
-        watches = self.watches.get(key)
-        if watches:
-            for watch in list(watches):
-                watch.fire()
-            return
-        now = asyncio.get_running_loop().time()
-        recent = self._recent
-        recent[key] = now
-        recent.move_to_end(key)
-        while recent and (
-            len(recent) > _RECENT_MAX or now - next(iter(recent.values())) > _RECENT_FOR
-        ):
-            recent.popitem(last=False)
-
-    def _wake_all(self) -> None:
-        for watches in list(self.watches.values()):
-            for watch in list(watches):
-                watch.fire()
+                kind = message["type"]
+                if kind == "message":
+                    deliver(bytes(message["data"]).decode("utf-8", "surrogatepass"))
+                elif kind == "subscribe":  # the first time, and after each resubscription
+                    ready()
+        finally:  # cancelled too
+            # Already broken, perhaps: nothing is left to close cleanly then.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_CLOSE_TIMEOUT):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
 
 
-async def _close(pubsub: Any) -> None:
-    # Already broken, perhaps: nothing is left to close cleanly then.
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(_CLOSE_TIMEOUT):
-            await pubsub.aclose()
+class Renewals:
+    """The store's :class:`~porch.store._leases.Renewer`: one pipeline per round.
+
+    ``connect()`` makes the heartbeat's own client; ``execute(client, commands)``
+    sends commands as one pipeline and checks every reply (StoreError).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Redis],
+        execute: Callable[[Redis, list[Command]], Awaitable[list[Any]]],
+        close: Callable[[Redis], Awaitable[None]],
+        names: KeyNames,
+        lease_ms: int,
+    ) -> None:
+        self._connect = connect
+        self._execute = execute
+        self._close = close
+        self._names = names
+        self._lease_ms = lease_ms
+        self._client: Redis | None = None
+
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        names, lease_ms = self._names, self._lease_ms
+        results = await self._run(
+            [
+                ("renew", [names.record(lease.key)], [str(lease.token), lease_ms])
+                for lease in _claims(leases)
+            ]
+        )
+        return [result == 1 for result in results]
+
+    async def release(self, leases: Sequence[Lease]) -> None:
+        names = self._names
+        await self._run(
+            [
+                ("release", [names.record(lease.key)], [str(lease.token), names.channel, lease.key])
+                for lease in _claims(leases)
+            ]
+        )
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await self._close(client)
+
+    async def _run(self, commands: list[Command]) -> list[Any]:
+        if self._client is None:
+            self._client = self._connect()
+        return await self._execute(self._client, commands)
+
+
+def _claims(leases: Sequence[Lease]) -> Sequence[Lease]:
+    for lease in leases:
+        if lease.kind != CLAIM:
+            raise StoreError(f"the Redis store cannot renew a {lease.kind!r} lease")
+    return leases

@@ -12,6 +12,7 @@ import math
 from typing import Any, cast
 
 from ...errors import StoreError
+from .._leases import CLAIM, HeldLeases
 from ..alike import settle_alike
 from ..base import (
     Claim,
@@ -83,7 +84,7 @@ def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None
     raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
 
 
-def settle(held: dict[str, int], op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
+def settle(held: HeldLeases, op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
     """Fill ``op`` in from its command's reply; ``held``: the claims this process holds."""
     if type(op) is Hit:
         # result: how many of the alike hits were allowed, the time, the counts
@@ -107,13 +108,12 @@ def settle(held: dict[str, int], op: StoreOp, result: Any, alike: list[Hit] | No
             op.stored = _stored(*result[1:5])
         else:
             op.token = int(result[1])
-            held[op.key] = op.token
+            held.hold(CLAIM, op.key, op.token)
     elif type(op) is Save:
         text = result.decode() if isinstance(result, bytes) else str(result)
         op.outcome = cast(SaveOutcome, text)  # the script returns one of SaveOutcome's values
-        if op.token and held.get(op.key) == op.token:
-            del held[op.key]
+        if op.token:
+            held.end(CLAIM, op.key, op.token)
     elif type(op) is Release:
         op.released = result == 1
-        if held.get(op.key) == op.token:
-            del held[op.key]
+        held.end(CLAIM, op.key, op.token)

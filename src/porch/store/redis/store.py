@@ -8,9 +8,11 @@ after a ``NOSCRIPT`` (a ``SCRIPT FLUSH``, a restart, a failover).
 
 A claim is a lease in server time with a fence token. While the process
 lives, a heartbeat renews every claim it holds every ``lease / 3`` seconds in
-one pipeline; close() releases them. A holder that dies (or freezes, or loses
-its network) stops renewing, so its key is free ``lease`` seconds later at
-most, and its late Save is refused (fenced) once another owner took the key.
+one pipeline, from a thread with a client of its own (see
+:mod:`porch.store._leases`: a blocked event loop does not stop it); close()
+releases them. A holder that dies (or freezes, or loses its network) stops
+renewing, so its key is free ``lease`` seconds later at most, and its late
+Save is refused (fenced) once another owner took the key.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from secrets import token_bytes
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..._tasks import stop_if_cancelled, stop_task
+from ..._tasks import stop_task
 from ...errors import ConfigurationError, StoreError
+from .._leases import Heartbeat, HeldLeases
+from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
-from .claims import RedisClaims
+from .claims import Renewals, Subscription
 from .commands import Command, command, settle
 from .group import GroupPipeline
 from .keys import KeyNames
@@ -143,16 +147,22 @@ class RedisStore:
             admin=self.admin,
         )
         self.names = KeyNames(prefix)
-        self.claims = RedisClaims(self.names.channel, reconnect_delay=reconnect_delay)
+        self._subscription = Subscription(self.names.channel)
+        self.claims = Watches(
+            self._subscription,
+            _same,  # the scripts publish the logical key itself
+            lease=lease,
+            reconnect_delay=reconnect_delay,
+            logger=logger,
+        )
         self._scripts: dict[str, Script] = load_scripts()
         self._lease_ms = max(1, math.ceil(lease * 1000))
         self._client: Redis | None = None
-        self._subscriber: Redis | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._closing: asyncio.Event | None = None
+        self._keeper: asyncio.Task[None] | None = None  # closes the clients, on their loop
+        self._heartbeat: Heartbeat | None = None
         self._group: GroupPipeline | None = None
-        # Claims this process holds, renewed by the heartbeat: logical key -> token.
-        self._held: dict[str, int] = {}
+        self._held = HeldLeases()  # the claims this process holds, renewed by the heartbeat
         self._transport_checked = False
         self._secret: bytes | None = None  # the prefix's, read when it is opened
         self._transactions = 0
@@ -186,10 +196,17 @@ class RedisStore:
             return
         client = self._connect(self.max_connections)
         subscriber = self._connect(1)
+        wait = self.connect_timeout + self.timeout
         try:
             await self._load_scripts(client)
             self._secret = await self._read_secret(client)
-            await self.claims.start(subscriber, self.connect_timeout + self.timeout)
+            self._subscription.client = subscriber
+            self.claims.start()
+            try:
+                async with asyncio.timeout(wait):
+                    await self.claims.connected.wait()
+            except TimeoutError:
+                raise StoreError(f"no wake-up subscription within {wait:g}s") from None
         except BaseException as exc:
             await self.claims.stop()
             await _close_client(subscriber)
@@ -201,14 +218,31 @@ class RedisStore:
             self._transport_checked = True
             _check_transport(self.url, client)
         self._client = client
-        self._subscriber = subscriber
+        self._closing = asyncio.Event()
+        self._keeper = asyncio.get_running_loop().create_task(
+            _keep(self._closing, client, subscriber), name="porch-redis-clients"
+        )
         self._group = GroupPipeline(
             functools.partial(self._send, client), limit=_PIPELINES_IN_FLIGHT
         )
-        loop = self._loop = asyncio.get_running_loop()
-        self._heartbeat = loop.create_task(
-            self._renew_forever(client, subscriber), name="porch-redis-heartbeat"
+        # Leases of their own: a heartbeat left finishing by an earlier close() that was cut
+        # short releases only the claims of its time.
+        self._held = HeldLeases()
+        self._heartbeat = Heartbeat(
+            self._held,
+            lease=self.lease,
+            renewer=lambda: Renewals(
+                functools.partial(self._connect, 1),
+                self._execute,
+                _close_client,
+                self.names,
+                self._lease_ms,
+            ),
+            deadline=self.connect_timeout + self.timeout + 1.0,
+            name="porch-redis-heartbeat",
+            logger=logger,
         )
+        self._heartbeat.start()
 
     async def _read_secret(self, client: Redis) -> bytes:
         """The prefix's secret: created once by the first store that opens it (SET NX, so
@@ -234,43 +268,22 @@ class RedisStore:
         group, self._group = self._group, None
         if group is not None:
             self._transactions += group.pipelines
-        subscriber, self._subscriber = self._subscriber, None
-        heartbeat, self._heartbeat = self._heartbeat, None
-        held, self._held = self._held, {}
-        if self._loop is not asyncio.get_running_loop():
-            # The loop the store ran on stopped (the pool moved to this one): nothing of
-            # it is awaited (it never runs again). Its clients were closed as it ended
-            # (see _renew_forever); this process's claims are ended from this loop.
-            await stop_task(heartbeat)
-            await self.claims.stop()
-            if held:
-                client = self._connect(2)
-                try:
-                    await self._release(client, held)
-                finally:
-                    await _close_client(client)
-            return
-        await stop_task(heartbeat)
-        await self._release(client, held)
         await self.claims.stop()
-        if subscriber is not None:
-            await _close_client(subscriber)
-        await _close_client(client)
-
-    async def _release(self, client: Redis, held: dict[str, int]) -> None:
-        """End the claims ``held`` at once: waiters elsewhere need not wait out their lease."""
-        if not held:
-            return
-        try:
-            await self._execute(
-                client,
-                [
-                    ("release", [self.names.record(k)], [str(t), self.names.channel, k])
-                    for k, t in held.items()
-                ],
-            )
-        except StoreError as exc:
-            logger.warning("porch: releasing claims at close failed (%s); they lapse", exc)
+        # Waiters elsewhere need not wait out the lease of a process that is leaving: its
+        # claims are released (on the heartbeat's own client and loop: whatever loop this is).
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            await heartbeat.close()
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and self._closing is not None:
+            if keeper.get_loop() is asyncio.get_running_loop():
+                self._closing.set()
+                await asyncio.wait({keeper}, timeout=2 * _CLOSE_TIMEOUT)
+            # Still running: cancelled. Of a loop that stopped (the pool moved to this one):
+            # cancelled, never awaited; its clients' connections belong to that loop. One
+            # that shut down cancelled the keeper, which closed them there; one that only
+            # stopped closes them if it runs again.
+            await stop_task(keeper)
 
     def admin(self) -> RedisAdmin:
         """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
@@ -350,46 +363,19 @@ class RedisStore:
             if (sha.decode() if isinstance(sha, bytes) else sha) != script.sha:
                 raise StoreError(f"Redis loaded script {script.name} under an unexpected SHA")
 
-    # -- the heartbeat -------------------------------------------------------------
 
-    async def _renew_forever(self, client: Redis, subscriber: Redis) -> None:
-        try:
-            await self._renew(client)
-        except asyncio.CancelledError:
-            if self._client is client:
-                # Cancelled, but not by close(): this loop is ending (asyncio.run, each
-                # request of TestClient without ``with``). Its connections can be closed
-                # only now, on it; close() runs later, on another loop.
-                await _close_client(subscriber)
-                await _close_client(client)
-            raise
+def _same(key: str) -> str:
+    return key
 
-    async def _renew(self, client: Redis) -> None:
-        failing = False
-        while True:
-            # A cancel that the driver lost (Python 3.11's wait_for, inside redis-py)
-            # still ends this loop: see porch._tasks.
-            stop_if_cancelled()
-            await asyncio.sleep(self.lease / 3)
-            held = list(self._held.items())
-            if not held:
-                continue
-            try:
-                results = await self._execute(
-                    client,
-                    [("renew", [self.names.record(k)], [str(t), self._lease_ms]) for k, t in held],
-                )
-            except StoreError as exc:
-                if not failing:
-                    logger.warning("porch: renewing idempotency claims failed: %s", exc)
-                    failing = True
-                continue
-            failing = False
-            for (key, token), renewed in zip(held, results, strict=True):
-                if renewed != 1 and self._held.get(key) == token:
-                    # Lapsed and taken over (or stored): this holder's Save will be fenced.
-                    del self._held[key]
-                    logger.warning("porch: an idempotency claim lapsed before its heartbeat")
+
+async def _keep(closing: asyncio.Event, client: Redis, subscriber: Redis) -> None:
+    """Hold the store's clients on the loop they connect on; close them there, at close()
+    or when that loop shuts down (its runner cancels every task, this one too)."""
+    try:
+        await closing.wait()
+    finally:
+        await _close_client(subscriber)
+        await _close_client(client)
 
 
 async def _close_client(client: Redis) -> None:
@@ -398,4 +384,4 @@ async def _close_client(client: Redis) -> None:
             await client.aclose()
             await client.connection_pool.disconnect()
     except Exception as exc:  # closing a broken connection: nothing left to save
-        logger.debug("porch: closing a Redis client: %s", exc)
+        logger.debug("porch: closing a Redis client: %r", exc)

@@ -1,0 +1,289 @@
+"""The leases this process holds, and the heartbeat that keeps them while the process lives.
+
+On a network store a claim is a lease in the server's time: a fence token and
+an end, ``lease`` seconds after its holder's last renewal. What keeps it is
+the holder's *process*: a heartbeat renews every lease the process holds every
+``lease / 3`` seconds in one round trip, and ``close()`` releases them at once.
+A process that is killed, frozen (SIGSTOP) or cut off stops renewing, so its
+leases end within ``lease`` seconds of the last renewal, and a late save of its
+is fenced.
+
+The heartbeat runs in a thread of its own, on an event loop of its own, with a
+connection of its own (the backend's :class:`Renewer`): a handler that blocks
+the application's event loop (synchronous work in an ``async def``) does not
+stop it, so an owner keeps its claims for as long as its process lives, and is
+not run a second time on another host meanwhile. A blocked loop past half a
+lease is logged as a warning while leases are held. What can still starve the
+heartbeat is the GIL: blocking calls release it and running Python code hands
+it over every few milliseconds (``sys.getswitchinterval()``), but one C call
+that holds it for longer than a lease would stop this thread too, and the owner
+then loses its claims as a frozen process does.
+
+The thread renews while the loop that opened the store exists; once that loop
+is closed nobody is left to report the leases, so they are released. Leases
+have a kind: idempotency claims today; other leases a process holds (such as
+concurrency slots) are renewed by the same heartbeat, in the same round trip,
+by a Renewer that knows their kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+__all__ = ["CLAIM", "RENEWALS_PER_LEASE", "Heartbeat", "HeldLeases", "Lease", "Renewer"]
+
+#: The kind of an idempotency claim's lease.
+CLAIM = "claim"
+# Renewals per lease: a lease survives two renewals lost in a row.
+RENEWALS_PER_LEASE = 3
+
+
+class Lease(NamedTuple):
+    """One lease this process holds: its kind, its key and the fence token it holds it by."""
+
+    kind: str
+    key: str
+    token: int
+
+
+class HeldLeases:
+    """The leases this process holds, taken and ended on the event loop, renewed from the
+    heartbeat's thread (hence the lock). A key may hold several leases of one kind."""
+
+    __slots__ = ("_leases", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: set[Lease] = set()
+
+    def hold(self, kind: str, key: str, token: int) -> None:
+        with self._lock:
+            self._leases.add(Lease(kind, key, token))
+
+    def end(self, kind: str, key: str, token: int) -> None:
+        """The lease ended here (saved, released, or given up): renew it no more."""
+        with self._lock:
+            self._leases.discard(Lease(kind, key, token))
+
+    def lost(self, lease: Lease) -> bool:
+        """A renewal found ``lease`` gone: forget it; False if it had ended here meanwhile."""
+        with self._lock:
+            if lease in self._leases:
+                self._leases.remove(lease)
+                return True
+            return False
+
+    def snapshot(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases)
+
+    def take_all(self) -> list[Lease]:
+        """Every lease held, forgotten here (they are being released)."""
+        with self._lock:
+            leases, self._leases = list(self._leases), set()
+        return leases
+
+    def of(self, kind: str) -> dict[str, int]:
+        """Key -> token of the leases of ``kind`` (one per key, as claims are)."""
+        with self._lock:
+            return {lease.key: lease.token for lease in self._leases if lease.kind == kind}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+class Renewer(Protocol):
+    """A backend's side of the heartbeat, used on the heartbeat's own loop only (its
+    connection is its own). Each call is one round trip, connecting first when it has
+    no connection, and raises :class:`~porch.errors.StoreError` when it fails."""
+
+    async def renew(self, leases: Sequence[Lease]) -> Sequence[bool]:
+        """Extend each lease by the store's lease from now; False where it is not held by
+        that token any more (taken over after it lapsed, or ended)."""
+        ...
+
+    async def release(self, leases: Sequence[Lease]) -> None:
+        """End ``leases`` now, waking whoever waits for them elsewhere."""
+        ...
+
+    async def close(self) -> None:
+        """Close the connection (bounded)."""
+        ...
+
+
+class Heartbeat:
+    """Renews ``held`` every ``lease / 3`` s from a thread of its own; releases it on close.
+
+    ``renewer`` makes the backend's Renewer, on the heartbeat's loop. ``deadline``
+    bounds each of its calls (a connect and a round trip). Start it on the loop the
+    store serves (:meth:`start`); :meth:`close` may run on any loop, also after that
+    one stopped, and ends in bounded time.
+    """
+
+    def __init__(
+        self,
+        held: HeldLeases,
+        *,
+        lease: float,
+        renewer: Callable[[], Renewer],
+        deadline: float,
+        name: str,
+        logger: logging.Logger,
+    ) -> None:
+        self.held = held
+        self.lease = lease
+        self.period = lease / RENEWALS_PER_LEASE
+        self.deadline = deadline
+        self.name = name
+        self.logger = logger
+        self._make_renewer = renewer
+        self._owner: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._stopping = threading.Event()
+        # Published by the thread (its loop, then the event that wakes it).
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failing = False
+        self._pinged: float | None = None  # when a ping to the owner loop was sent, unanswered
+        self._warned = False
+
+    def start(self) -> None:
+        self._owner = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Release every lease held and stop the thread; on any loop, bounded."""
+        if self._thread is None:
+            return
+        self._thread = None
+        self._stopping.set()
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: it has finished
+                loop.call_soon_threadsafe(wake.set)
+        within = 2 * self.deadline + 1.0  # a renewal in flight, then the release
+        done, _ = await asyncio.wait({asyncio.wrap_future(self._finished)}, timeout=within)
+        if not done:
+            # A daemon thread: it ends with the process. Its leases lapse: forgotten here,
+            # so a heartbeat of the store opened again never renews them.
+            self.held.take_all()
+            self.logger.warning(
+                "porch: the lease heartbeat did not stop within %.1f s; left to finish", within
+            )
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._finished.set_running_or_notify_cancel()  # close() no longer cancels it
+        try:
+            with asyncio.Runner() as runner:
+                runner.run(self._beat())
+        except Exception:  # pragma: no cover - _beat catches what a store raises
+            self.logger.exception("porch: the lease heartbeat failed")
+        finally:
+            self._finished.set_result(None)
+
+    async def _beat(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        owner = self._owner
+        renewer = self._make_renewer()
+        try:
+            while not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.period):
+                        await self._wake.wait()
+                if self._stopping.is_set():
+                    break
+                if owner is None or owner.is_closed():
+                    break  # nobody is left to report these leases: released below
+                leases = self.held.snapshot()
+                if leases:
+                    self._check_owner(owner, len(leases))
+                    await self._renew(renewer, leases)
+            await self._release(renewer)
+        finally:
+            try:
+                async with asyncio.timeout(self.deadline):
+                    await renewer.close()
+            except Exception as exc:
+                self.logger.debug("porch: closing the heartbeat's connection: %r", exc)
+
+    async def _renew(self, renewer: Renewer, leases: list[Lease]) -> None:
+        try:
+            async with asyncio.timeout(self.deadline):
+                renewed = await renewer.renew(leases)
+        except Exception as exc:  # StoreError, or its deadline
+            if not self._failing:  # once per outage
+                self.logger.warning(
+                    "porch: renewing this process's leases failed (%s); retrying every %.2g s",
+                    str(exc) or type(exc).__name__,
+                    self.period,
+                )
+                self._failing = True
+            return
+        if self._failing:
+            self.logger.info("porch: renewing this process's leases works again")
+            self._failing = False
+        lost = sum(
+            1 for lease, ok in zip(leases, renewed, strict=True) if not ok and self.held.lost(lease)
+        )
+        if lost:
+            # Lapsed (the process was frozen, or could not renew) and perhaps taken over:
+            # the owner's save will be fenced.
+            self.logger.info("porch: %d lease(s) of this process ended before renewal", lost)
+
+    async def _release(self, renewer: Renewer) -> None:
+        leases = self.held.take_all()
+        if not leases:
+            return
+        try:
+            async with asyncio.timeout(self.deadline):
+                await renewer.release(leases)
+        except Exception as exc:
+            self.logger.warning(
+                "porch: could not release this process's %d lease(s) (%s); they lapse",
+                len(leases),
+                str(exc) or type(exc).__name__,
+            )
+
+    # -- is the owner's loop blocked? -------------------------------------------------------
+
+    def _check_owner(self, owner: asyncio.AbstractEventLoop, held: int) -> None:
+        """Warn once when the store's loop has run nothing for half a lease (leases held)."""
+        if not owner.is_running():  # stopped between two runs: not blocked
+            self._pinged = None
+            return
+        now = time.monotonic()
+        pinged = self._pinged
+        if pinged is None:
+            self._pinged = now
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                owner.call_soon_threadsafe(self._pong, now)
+        elif now - pinged > self.lease / 2 and not self._warned:
+            self._warned = True
+            self.logger.warning(
+                "porch: the event loop has run nothing for %.1f s (synchronous work in a"
+                " coroutine?); this process's %d lease(s) are kept from the heartbeat thread",
+                now - pinged,
+                held,
+            )
+
+    def _pong(self, sent: float) -> None:
+        """On the owner's loop: it runs."""
+        if self._pinged == sent:
+            self._pinged = None
+        if self._warned:
+            self._warned = False
+            self.logger.info(
+                "porch: the event loop runs again, after %.1f s", time.monotonic() - sent
+            )
