@@ -9,11 +9,14 @@ real uvicorn server process::
 Every handler execution is recorded as a row in ``<data>/executions.sqlite3``
 (table ``executions``) *before* the handler decides its outcome, so the test
 counts executions from rows, never from logs. Porch's own store lives in
-``<data>/porch.sqlite3``.
+``<data>/porch.sqlite3``, or at the store URL in ``PORCH_FLAKY_STORE`` (several
+hosts sharing one store, and one data directory: their executions are counted
+together).
 
 Routes (every POST is keyed: rule ``/``, method POST, key optional); the JSON
 body is ``{"tag": str}`` and ``?latency=SECONDS`` sleeps inside the handler so
-duplicates overlap:
+duplicates overlap (``?block=SECONDS`` on ``/ok``: the handler blocks the event
+loop instead, as synchronous work in an ``async def`` does):
 
 - ``POST /flaky``: 500 on the first execution for a tag, 201 afterwards.
 - ``POST /always-fails``: always 500.
@@ -28,6 +31,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -36,9 +40,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from porch import IdempotencyMiddleware, IdempotencyRule, KeyPool, SQLiteStore
+from porch import IdempotencyMiddleware, IdempotencyRule, KeyPool, SQLiteStore, open_store
 
 DATA_ENV = "PORCH_FLAKY_DATA"
+STORE_ENV = "PORCH_FLAKY_STORE"
 EXECUTIONS_FILE = "executions.sqlite3"
 MAX_LATENCY = 10.0
 MAX_PAD = 1 << 20
@@ -78,6 +83,12 @@ async def _latency(request: Request) -> None:
     latency = float(request.query_params.get("latency", "0"))
     if latency > 0:
         await asyncio.sleep(min(latency, MAX_LATENCY))
+
+
+def _block(request: Request) -> None:
+    block = float(request.query_params.get("block", "0"))
+    if block > 0:
+        time.sleep(min(block, MAX_LATENCY))  # the event loop runs nothing meanwhile
 
 
 def create_app() -> Starlette:
@@ -124,6 +135,7 @@ def create_app() -> Starlette:
     async def ok(request: Request) -> JSONResponse:
         tag, execution = await record(request, "ok")
         await _latency(request)
+        _block(request)
         pad = min(int(request.query_params.get("pad", "0")), MAX_PAD)
         document: dict[str, object] = {"tag": tag, "execution": execution}
         if pad > 0:
@@ -139,7 +151,8 @@ def create_app() -> Starlette:
             Route("/ok", ok, methods=["POST"]),
         ]
     )
-    pool = KeyPool(SQLiteStore(data), size=4, mailbox=1024)
+    url = os.environ.get(STORE_ENV)
+    pool = KeyPool(open_store(url) if url else SQLiteStore(data), size=4, mailbox=1024)
     app.add_middleware(
         IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/", methods=["POST"])
     )

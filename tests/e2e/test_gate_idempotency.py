@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -23,14 +24,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from app_flaky import DATA_ENV, EXECUTIONS_FILE
+from app_flaky import DATA_ENV, EXECUTIONS_FILE, STORE_ENV
 from demo_server import (
     DemoLauncher,
     free_port,
@@ -41,6 +42,7 @@ from demo_server import (
     source_port,
 )
 
+from servers import running_postgres, running_redis
 from support import sqlite_claims
 
 pytestmark = [pytest.mark.e2e]
@@ -251,11 +253,16 @@ def wait_until(predicate: Any, what: str, timeout: float = 5.0) -> None:
 
 
 class FlakyServer:
-    """``tests/e2e/app_flaky.py`` under uvicorn on a free loopback port."""
+    """``tests/e2e/app_flaky.py`` under uvicorn on a free loopback port.
 
-    def __init__(self, root: Path) -> None:
-        self.data_dir = root / "data"
+    ``store``: a store URL shared with other hosts (default: SQLite in its data
+    directory); ``data``: a data directory shared with them (executions are counted
+    together)."""
+
+    def __init__(self, root: Path, *, store: str | None = None, data: Path | None = None) -> None:
+        self.data_dir = data or root / "data"
         self.log = root / "server.log"
+        self.store = store
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -273,6 +280,8 @@ class FlakyServer:
     def start(self) -> None:
         env = dict(os.environ)
         env[DATA_ENV] = str(self.data_dir)
+        if self.store is not None:
+            env[STORE_ENV] = self.store
         env["PYTHONUNBUFFERED"] = "1"
         command = [
             sys.executable,
@@ -636,6 +645,155 @@ def test_raising_handler_stores_nothing_and_is_retried(flaky: FlakyServer) -> No
     assert ok.status_code == 201, ok.text
     check_replay(post(flaky.base_url, "/ok", tagged("d3"), keyed("flaky-d-ok")), ok)
     assert flaky.executions("ok", "d3") == 1
+
+
+# -- an owner whose event loop is blocked, on a store shared by two hosts --------------------
+
+NETWORK_STORES = [
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+Lease = Callable[[], tuple[float | None, float]]
+
+
+def _postgres_lease(url: str) -> tuple[float | None, float]:
+    """The held claim's lease end (None: none held) and the server's time, in its seconds."""
+    import asyncpg
+
+    async def read() -> tuple[float | None, float]:
+        conn = await asyncpg.connect(url, timeout=10)
+        try:
+            end, now = await conn.fetchrow(
+                "SELECT (SELECT max(lease_until) FROM porch.records"
+                " WHERE status IS NULL AND lease_until IS NOT NULL),"
+                " extract(epoch FROM clock_timestamp())::float8"
+            )
+        finally:
+            await conn.close()
+        return end, now
+
+    return asyncio.run(read())
+
+
+def _redis_lease(url: str) -> tuple[float | None, float]:
+    """The held claim's lease end (None: none held) and the server's time, in its seconds."""
+    import redis
+
+    conn = redis.Redis.from_url(url, socket_timeout=10)
+    try:
+        fields = [conn.hmget(key, "o", "l") for key in conn.scan_iter(match="porch:r:*")]
+        seconds, micros = conn.time()
+    finally:
+        conn.close()
+    ends = [int(end) / 1000 for owner, end in fields if owner not in (None, b"0") and end]
+    return (max(ends) if ends else None), seconds + micros / 1e6
+
+
+@contextlib.contextmanager
+def two_hosts_on(tmp_path: Path, backend: str) -> Iterator[tuple[FlakyServer, FlakyServer, Lease]]:
+    """Two flaky hosts on one server of the leg's own (default lease: 3 s), sharing their
+    executions' data directory; and a reader of the one claim's lease in the store."""
+    opened = running_postgres() if backend == "postgres" else running_redis()
+    with opened as server:
+        url = server.url
+        hosts: list[FlakyServer] = []
+        try:
+            for name in ("a", "b"):
+                (tmp_path / name).mkdir()
+                hosts.append(FlakyServer(tmp_path / name, store=url, data=tmp_path / "data"))
+                hosts[-1].start()
+            read = _postgres_lease if backend == "postgres" else _redis_lease
+            yield hosts[0], hosts[1], functools.partial(read, url)
+        finally:
+            for host in hosts:
+                host.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", NETWORK_STORES)
+def test_an_owner_blocking_its_event_loop_past_the_lease_runs_once(
+    tmp_path: Path, backend: str
+) -> None:
+    # Catches: leases renewed on the owner's event loop only. Synchronous work in an
+    # ``async def`` handler blocks that loop past the 3 s lease; the lease lapsed, and a
+    # duplicate sent to the other host meanwhile ran the handler a second time.
+    path, tag = "/ok?block=6", "blocked"
+    keyed_raw = raw_headers(keyed(tag))
+    with two_hosts_on(tmp_path, backend) as (a, b, lease):
+
+        async def run() -> tuple[httpx.Response, httpx.Response, tuple[float | None, float]]:
+            async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, trust_env=False) as client:
+                owner = asyncio.create_task(
+                    client.post(a.base_url + path, content=tagged(tag), headers=keyed_raw)
+                )
+                await asyncio.to_thread(
+                    wait_until, lambda: a.executions("ok", tag) == 1, "a's handler", 20.0
+                )
+                before, _ = await asyncio.to_thread(lease)
+                assert before is not None, "a holds no claim while its handler runs"
+                # Past the end of the lease a held as its loop blocked, on the store's clock.
+                await asyncio.to_thread(
+                    wait_until, lambda: lease()[1] > before + 0.2, "that lease's end", 10.0
+                )
+                during = await asyncio.to_thread(lease)
+                assert not owner.done(), "the handler no longer blocks: the leg proves nothing"
+                duplicate = await client.post(
+                    b.base_url + path, content=tagged(tag), headers=keyed_raw
+                )
+                return await owner, duplicate, during
+
+        first, duplicate, (end, now) = asyncio.run(run())
+        assert a.executions("ok", tag) == 1  # both hosts' executions, from rows
+        assert first.status_code == 201, first.text
+        assert not is_replay(first)
+        check_replay(duplicate, first)
+        # The claim was renewed while the loop was blocked (from outside it).
+        assert end is not None
+        assert end > now
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", NETWORK_STORES)
+def test_a_frozen_owner_still_loses_its_key_within_the_lease(tmp_path: Path, backend: str) -> None:
+    # Catches: a lease kept by something that outlives a frozen process (the heartbeat
+    # thread must stop with it): the duplicate would wait for good and never run.
+    path, tag = "/ok?block=1", "frozen"
+    with two_hosts_on(tmp_path, backend) as (a, b, _):
+        assert a.proc is not None
+        pid = a.proc.pid
+
+        async def run() -> tuple[httpx.Response, httpx.Response, float]:
+            async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, trust_env=False) as client:
+                owner = asyncio.create_task(
+                    client.post(
+                        a.base_url + path, content=tagged(tag), headers=raw_headers(keyed(tag))
+                    )
+                )
+                await asyncio.to_thread(
+                    wait_until, lambda: a.executions("ok", tag) == 1, "a's handler", 20.0
+                )
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    taker = await client.post(
+                        b.base_url + path, content=tagged(tag), headers=raw_headers(keyed(tag))
+                    )
+                    took = time.monotonic() - started
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                return await owner, taker, took
+
+        first, taker, took = asyncio.run(run())
+        assert taker.status_code == 201, taker.text
+        assert not is_replay(taker)
+        assert took < 3.0 + 1.0 + 3.0, took  # the lease, the taker's own run, slack
+        assert a.executions("ok", tag) == 2
+        assert first.status_code == 201  # the thawed owner answers its own client
+        assert first.content != taker.content
+        # Its save was fenced: both hosts replay the taker's response.
+        for host in (a, b):
+            check_replay(post(host.base_url, path, tagged(tag), keyed(tag)), taker)
+        assert a.executions("ok", tag) == 2
 
 
 # -- keys are scoped to the caller -----------------------------------------------------------
