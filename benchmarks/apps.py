@@ -219,7 +219,9 @@ class _AnsweringPool(KeyPool):
         if not isinstance(op, Hit):
             return False
         op.allowed = True
-        op.counts = [1]
-        op.resets = [float(op.windows[0])]
+        op.fits = [True]
+        op.remaining = [op.amounts[0] - 1]
+        op.next = op.full = op.retry = [float(op.windows[0])]
+        op.stamp = [0.0]
         op.wall = time.time()
         return True

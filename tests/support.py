@@ -27,10 +27,18 @@ __all__ = [
     "sqlite_claims",
     "through_apply",
     "until",
+    "used",
     "wait_until",
 ]
 
 T = TypeVar("T")
+
+
+def used(hit: Any) -> list[int]:
+    """What each fixed window of a decided ``hit`` has counted: its amount less what
+    remains (exact while a window holds no more than its amount)."""
+    return [a - r for a, r in zip(hit.amounts, hit.remaining, strict=True)]
+
 
 # Long enough for a loaded 2-core machine; a condition that holds is seen at once anyway.
 DEADLINE = 10.0

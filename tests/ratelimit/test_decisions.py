@@ -8,10 +8,14 @@ from porch.store.base import Hit
 
 
 def _hit(compiled: CompiledRule, counts: list[int], resets: list[float], allowed: bool) -> Hit:
+    """A fixed-window decision as a store reports it: windows at these counts, ending in
+    ``resets`` seconds."""
     hit = Hit(["k"] * len(counts), compiled.amounts, compiled.windows)
     hit.allowed = allowed
-    hit.counts = counts
-    hit.resets = resets
+    hit.fits = [c + 1 <= a for c, a in zip(counts, compiled.amounts, strict=True)]
+    hit.remaining = [max(0, a - c) for c, a in zip(counts, compiled.amounts, strict=True)]
+    hit.next = hit.full = hit.retry = resets
+    hit.stamp = [0.0] * len(counts)
     hit.wall = 1_700_000_000.0
     return hit
 
@@ -69,3 +73,73 @@ def test_each_header_style_sends_its_fields_with_the_values_of_both(
     if refusal is not None:
         assert refusal.headers == tuple(headers)
         assert dict(headers)[b"retry-after"] == dict(everything)[b"retry-after"]
+
+
+def _report(
+    compiled: CompiledRule,
+    *,
+    allowed: bool,
+    fits: list[bool],
+    remaining: list[int],
+    next: list[float],
+    full: list[float],
+    retry: list[float],
+) -> Hit:
+    hit = compiled.hit(["k"] * len(fits), cost=3)
+    hit.allowed = allowed
+    hit.fits, hit.remaining = fits, remaining
+    hit.next, hit.full, hit.retry = next, full, retry
+    hit.stamp = [0.0] * len(fits)
+    hit.wall = 1_700_000_000.0
+    return hit
+
+
+def test_a_gcra_limit_announces_its_burst_per_full_refill() -> None:
+    # 10 per minute is one per 6 s: a bucket of 5 refills in 30 s.
+    compiled = CompiledRule(Rule(Limit(10, 60, name="b", algorithm="gcra", burst=5)))
+    assert compiled.policy_header == b'"b";q=5;w=30'
+    assert compiled.algorithms == ("gcra",)
+    assert compiled.bursts == (5,)
+    hit = _report(
+        compiled, allowed=True, fits=[True], remaining=[2], next=[4.5], full=[16.5], retry=[0.0]
+    )
+    values = dict(decide(compiled, hit, "c")[0])
+    assert values[b"ratelimit"] == b'"b";r=2;t=5'
+    assert values[b"x-ratelimit-limit"] == b"5"
+    assert values[b"x-ratelimit-reset"] == b"1700000017"  # when the bucket is whole again
+
+
+def test_a_fixed_rule_sends_no_algorithms_so_stores_keep_their_fast_path() -> None:
+    compiled = CompiledRule(Rule([Limit(10, 60), Limit(5, 1)]))
+    assert (compiled.algorithms, compiled.bursts) == (None, None)
+    hit = compiled.hit(["a", "b"])
+    assert (hit.algorithms, hit.bursts, hit.cost) == (None, None, 1)
+
+
+def test_retry_after_is_when_the_request_fits_and_never_before_a_violated_t() -> None:
+    # A sliding limit with a unit left, refusing a request of 3: more units in 2.5 s,
+    # enough for this request in 7.2 s. The other limit fits (it is not violated).
+    compiled = CompiledRule(
+        Rule([Limit(10, 60, name="s", algorithm="sliding"), Limit(100, 3600, name="h")])
+    )
+    hit = _report(
+        compiled,
+        allowed=False,
+        fits=[False, True],
+        remaining=[1, 4],
+        next=[2.5, 3000.0],
+        full=[70.0, 3000.0],
+        retry=[7.2, 3000.0],
+    )
+    headers, refusal = decide(compiled, hit, "c")
+    values = dict(headers)
+    assert values[b"ratelimit"] == b'"s";r=1;t=3, "h";r=4;t=3000'
+    assert values[b"retry-after"] == b"8"
+    assert refusal is not None
+    assert refusal.retry_after == 8
+    assert [(p.name, p.remaining, p.reset_after) for p in refusal.violated] == [("s", 1, 3)]
+    # Never before the RateLimit t of a violated policy, whatever its retry says.
+    hit.retry = [0.4, 3000.0]
+    headers, refusal = decide(compiled, hit, "c")
+    assert refusal is not None
+    assert refusal.retry_after == 3

@@ -296,8 +296,10 @@ class SlowStore(BrokenStore):
         for op in ops:
             assert isinstance(op, Hit)
             op.allowed = True
-            op.counts = [1]
-            op.resets = [60.0]
+            op.fits = [True]
+            op.remaining = [99]
+            op.next = op.full = op.retry = [60.0]
+            op.stamp = [0.0]
         self.applied += len(ops)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -111,6 +112,18 @@ def test_several_rates() -> None:
         ),
         (lambda: Rule([1]), "rule limits must be Limit instances or rate strings"),  # type: ignore[list-item]
         (lambda: Rule("1/s", methods=[]), "rule methods must name at least one method, or be None"),
+        (
+            lambda: Limit(5, 60, algorithm="leaky"),  # type: ignore[arg-type]
+            "limit algorithm must be one of ('fixed', 'sliding', 'gcra'), got 'leaky'",
+        ),
+        (
+            lambda: Limit(5, 60, algorithm="sliding", burst=10),
+            "a burst applies to gcra limits only, got 'sliding'",
+        ),
+        (
+            lambda: Limit(5, 60, algorithm="gcra", burst=0),
+            "limit burst must be an integer >= 1, got 0",
+        ),
     ],
 )
 def test_bad_configuration_is_refused_with_an_exact_message(make: object, message: str) -> None:
@@ -176,6 +189,41 @@ async def test_a_taken_name_is_refused_when_the_limiter_is_built(pool: KeyPool) 
     )
     # The same rule built again (an app built twice, as tests do) is the same policy.
     RateLimitMiddleware(ok, pool=pool, rules=Rule("5/minute", path="/login", name="auth"))
+
+
+def test_a_limit_names_its_algorithm_and_burst() -> None:
+    assert (Limit(5, 60).algorithm, Limit(5, 60).burst) == ("fixed", 5)
+    assert Limit(5, 60, algorithm="gcra").burst == 5
+    bucket = Limit(5, 60, algorithm="gcra", burst=20)
+    assert (bucket.algorithm, bucket.burst, bucket.name) == ("gcra", 20, "5-per-60s")
+    # One name, another algorithm: another policy (two rules cannot share it by accident).
+    assert Rule(bucket, name="r").signature() != Rule(Limit(5, 60), name="r").signature()
+    assert Rule(Limit(5, 60), name="r").signature() == (
+        "rule",
+        "/",
+        None,
+        (("5-per-60s", 5, 60.0),),
+    )
+
+
+class FixedOnly(SQLiteStore):
+    """A store that decides fixed windows only (as a network store did before its own)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.capabilities = replace(self.capabilities, algorithms=frozenset({"fixed"}))
+
+
+async def test_an_algorithm_the_store_does_not_decide_is_refused_when_built(
+    tmp_path: Path,
+) -> None:
+    rule = Rule([Limit(5, 60), Limit(1, 1, name="b", algorithm="gcra")], name="r")
+    async with KeyPool(FixedOnly(tmp_path)) as pool:
+        with pytest.raises(ConfigurationError) as info:
+            RateLimitMiddleware(ok, pool=pool, rules=rule)
+        assert str(info.value) == (
+            "rule 'r': limit 'b' uses 'gcra', which FixedOnly does not decide (it offers fixed)"
+        )
 
 
 async def test_shared_rules_count_together(pool: KeyPool, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from ..errors import ConfigurationError
-from ..store.base import Hit
+from ..store.base import Algorithm, Hit
 from ._refusals import Remembered
 from ._rules import Limit, Rule
 
@@ -43,13 +43,14 @@ def check_header_style(headers: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PolicyState:
-    """One limit's state after a decision."""
+    """One limit's state after a decision (the policy a client is told: ``limit`` units per
+    ``window`` seconds; for gcra its burst per full refill)."""
 
     name: str
     limit: int
     window: float
     remaining: int
-    reset_after: int  # whole seconds until the window ends, >= 1
+    reset_after: int  # whole seconds until more units are available, >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,10 @@ class CompiledRule:
     """A rule with everything per-request precomputed (header bytes included)."""
 
     __slots__ = (
+        "algorithms",
         "amounts",
+        "bursts",
+        "caps",
         "counters",
         "limit_bytes",
         "limit_header",
@@ -76,7 +80,9 @@ class CompiledRule:
         "policy_header",
         "policy_pair",
         "prefixes",
+        "quotas",
         "rule",
+        "spans",
         "status_prefixes",
         "style",
         "windows",
@@ -87,28 +93,63 @@ class CompiledRule:
         self.style: HeaderStyle = headers
         # (allowed, refused) metric counters, bound once when metrics are configured.
         self.counters: tuple[Any, Any] | None = None
-        self.limits: tuple[Limit, ...] = rule.limits
-        self.amounts = tuple(limit.amount for limit in rule.limits)
-        self.windows = tuple(float(limit.window) for limit in rule.limits)
-        self.names = tuple(limit.name for limit in rule.limits)
-        self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in rule.limits)
-        self.limit_bytes = tuple(str(limit.amount).encode("ascii") for limit in rule.limits)
-        self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in rule.limits)
+        limits = rule.limits
+        self.limits: tuple[Limit, ...] = limits
+        self.amounts = tuple(limit.amount for limit in limits)
+        self.windows = tuple(float(limit.window) for limit in limits)
+        # What a Hit carries: None when every limit is a fixed window (the stores' fast
+        # path), and bursts only where some differ from the amounts.
+        every: tuple[Algorithm, ...] = tuple(limit.algorithm for limit in limits)
+        self.algorithms = None if all(a == "fixed" for a in every) else every
+        bursts = tuple(limit.burst for limit in limits)
+        self.bursts = None if bursts == self.amounts else bursts
+        # The policy each limit announces: q units per w seconds (gcra: its burst per
+        # full refill, ceil(B * T)).
+        self.quotas = tuple(
+            limit.burst if limit.algorithm == "gcra" else limit.amount for limit in limits
+        )
+        self.spans = tuple(
+            limit.burst * (float(limit.window) / limit.amount)
+            if limit.algorithm == "gcra"
+            else float(limit.window)
+            for limit in limits
+        )
+        # ceil: never tell a client a window ends earlier than it does. A store's
+        # ``end - now`` can come out a rounding error above the window (a fresh window
+        # read as 60.000000000001 s), and ceil would then add a whole second: no fixed
+        # window has more than its length left. The other algorithms' times are not
+        # bounded by their window (a settled debt), so they are not capped.
+        self.caps = tuple(
+            float(limit.window) if limit.algorithm == "fixed" else math.inf for limit in limits
+        )
+        self.names = tuple(limit.name for limit in limits)
+        self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in limits)
+        self.limit_bytes = tuple(str(q).encode("ascii") for q in self.quotas)
+        self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in limits)
         self.policy_header = ", ".join(
-            f'"{limit.name}";q={limit.amount};w={math.ceil(limit.window)}' for limit in rule.limits
+            f'"{limit.name}";q={q};w={math.ceil(span)}'
+            for limit, q, span in zip(limits, self.quotas, self.spans, strict=True)
         ).encode("ascii")
         # The two headers that never change for a one-limit rule, built once.
         self.limit_header = (b"x-ratelimit-limit", self.limit_bytes[0])
         self.policy_pair = (b"ratelimit-policy", self.policy_header)
+
+    def hit(self, keys: list[str], cost: int = 1) -> Hit:
+        """A hit of ``cost`` units on ``keys`` (one per limit) under this rule."""
+        return Hit(keys, self.amounts, self.windows, self.algorithms, self.bursts, cost)
 
 
 def remembered_hit(
     entry: Remembered, keys: list[str], compiled: CompiledRule, now: float, wall: float
 ) -> Hit:
     """A refusal answered from memory, as the store would decide it now (allowed=False)."""
-    hit = Hit(keys, compiled.amounts, compiled.windows)
-    hit.counts = entry.counts
-    hit.resets = [max(0.0, end - now) for end in entry.ends]
+    hit = compiled.hit(keys, entry.cost)
+    hit.fits = entry.fits
+    hit.remaining = entry.remaining
+    hit.next = [max(0.0, end - now) for end in entry.nexts]
+    hit.full = [max(0.0, end - now) for end in entry.fulls]
+    hit.retry = [max(0.0, end - now) for end in entry.retries]
+    hit.stamp = entry.stamps
     hit.wall = wall
     return hit
 
@@ -117,23 +158,21 @@ def decide(
     compiled: CompiledRule, hit: Hit, client: str
 ) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
     """The response headers for a decision, and the refusal if the hit was refused."""
-    # ceil: never tell a client a window ends earlier than it does. A store's
-    # ``end - now`` can come out a rounding error above the window (a fresh
-    # window read as 60.000000000001 s), and ceil would then add a whole second:
-    # no window has more than its length left.
     if hit.allowed and len(compiled.amounts) == 1:
         # The common case: one limit, no choosing, no refusal. Once per request, so
         # it reads each input once and formats each number once.
-        reset = hit.resets[0]
-        window = compiled.windows[0]
-        reset = reset if reset < window else window
-        left = compiled.amounts[0] - hit.counts[0]
+        cap = compiled.caps[0]
+        reset = hit.next[0]
+        reset = reset if reset < cap else cap
+        full = hit.full[0]
+        full = full if full < cap else cap
+        left = hit.remaining[0]
         style = compiled.style
         if style == "x-ratelimit":
             return [
                 compiled.limit_header,
                 (b"x-ratelimit-remaining", b"%d" % left),
-                (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + reset)),
+                (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + full)),
             ], None
         if style == "none":
             return [], None
@@ -143,23 +182,18 @@ def decide(
         return [
             compiled.limit_header,
             (b"x-ratelimit-remaining", b"%d" % left),
-            (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + reset)),
+            (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + full)),
             compiled.policy_pair,
             (b"ratelimit", status),
         ], None
-    amounts = compiled.amounts
-    counts = hit.counts
-    windows = compiled.windows
-    n = len(amounts)
-    resets = [min(r, w) for r, w in zip(hit.resets, windows, strict=True)]
+    caps = compiled.caps
+    n = len(caps)
+    remaining = hit.remaining
+    t = [_ceil(min(r, c)) or 1 for r, c in zip(hit.next, caps, strict=True)]
     if n == 1:
         i = 0
-        remaining = [amounts[0] - counts[0] if counts[0] < amounts[0] else 0]
-        t = [math.ceil(resets[0]) or 1]
         status = compiled.status_prefixes[0] + b"%d;t=%d" % (remaining[0], t[0])
     else:
-        remaining = [max(0, amounts[j] - counts[j]) for j in range(n)]
-        t = [max(1, math.ceil(r)) for r in resets]
         # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
         i = min(range(n), key=lambda j: (remaining[j], -t[j]))
         status = b", ".join(
@@ -170,17 +204,20 @@ def decide(
         headers += [
             (b"x-ratelimit-limit", compiled.limit_bytes[i]),
             (b"x-ratelimit-remaining", b"%d" % remaining[i]),
-            (b"x-ratelimit-reset", b"%d" % math.ceil(hit.wall + resets[i])),
+            (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + min(hit.full[i], caps[i]))),
         ]
     if compiled.style in ("both", "ietf"):
         headers += [compiled.policy_pair, (b"ratelimit", status)]
     if hit.allowed:
         return headers, None
-    violated = tuple(
-        PolicyState(compiled.names[j], amounts[j], compiled.windows[j], 0, t[j])
-        for j in range(n)
-        if counts[j] >= amounts[j]
-    )
-    retry_after = max(p.reset_after for p in violated)
+    fits = hit.fits
+    violated = [j for j in range(n) if not fits[j]] or list(range(n))
+    # Retry-After: the earliest time this request could fit, never before a violated
+    # policy's RateLimit t (a client told "t=5" is not told to come back in 3).
+    retry_after = max(max(t[j], _ceil(min(hit.retry[j], caps[j])) or 1) for j in violated)
     headers.append((b"retry-after", b"%d" % retry_after))
-    return headers, Refusal(client, violated, retry_after, tuple(headers))
+    policies = tuple(
+        PolicyState(compiled.names[j], compiled.quotas[j], compiled.spans[j], remaining[j], t[j])
+        for j in violated
+    )
+    return headers, Refusal(client, policies, retry_after, tuple(headers))

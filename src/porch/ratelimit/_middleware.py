@@ -147,6 +147,15 @@ class RateLimitMiddleware:
         names = [r.name for r in rules if not r.shared]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"rule names must be unique, got {names}")
+        offered = pool.store.capabilities.algorithms
+        for r in rules:
+            for limit in r.limits:
+                if limit.algorithm not in offered:
+                    raise ConfigurationError(
+                        f"rule {r.name!r}: limit {limit.name!r} uses {limit.algorithm!r}, which"
+                        f" {type(pool.store).__name__} does not decide"
+                        f" (it offers {', '.join(sorted(offered))})"
+                    )
         for r in rules:
             # Now, when the app is built, not at the first request: a name another
             # limiter on this pool uses for other requests would share its counters.
@@ -272,7 +281,9 @@ class RateLimitMiddleware:
             # Nothing remembered (or no memory): straight to the store. This is the common
             # path, so it asks the store itself instead of through _ask_store's coroutine.
             pool = self.pool
-            hit = Hit(keys, compiled.amounts, compiled.windows)
+            hit = Hit(
+                keys, compiled.amounts, compiled.windows, compiled.algorithms, compiled.bursts
+            )
             # Nothing else in flight: committed right here, no hop at all (apply_now).
             if not pool.apply_now(client, hit):
                 try:
@@ -292,7 +303,7 @@ class RateLimitMiddleware:
                     self._unavailable("store", exc, client, compiled, None)
                     hit = exc
             if memory is not None and isinstance(hit, Hit) and not hit.allowed:
-                memory.remember(keys[0], hit.counts, hit.resets)
+                memory.remember(keys[0], hit)
         else:
             while True:
                 recalled = memory.recall(keys[0])
@@ -310,7 +321,7 @@ class RateLimitMiddleware:
                 finally:
                     # Before anything else runs: whoever waits for this answer goes on.
                     if isinstance(hit, Hit) and not hit.allowed:
-                        memory.remember(keys[0], hit.counts, hit.resets)
+                        memory.remember(keys[0], hit)
                     else:
                         memory.settle(keys[0])
         if not isinstance(hit, Hit):
@@ -345,7 +356,7 @@ class RateLimitMiddleware:
     ) -> Hit | PorchError:
         """The store's decision, or the error that kept it from deciding (logged)."""
         pool = self.pool
-        hit = Hit(keys, compiled.amounts, compiled.windows)
+        hit = compiled.hit(keys)
         if pool.apply_now(client, hit):
             return hit
         try:

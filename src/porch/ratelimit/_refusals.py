@@ -3,10 +3,11 @@
 A refused hit consumes nothing, so answering a refusal from memory keeps every
 count exact. What it saves is the mailbox slot: without it, a client at 429
 flooding its shard's mailbox would turn other clients of that shard away with
-503. A refusal is remembered until the first of its rule's windows ends, and at
-most ``seconds`` (so an operator's reset of a counter takes effect within
-that). When a memory runs out during a flood, one request asks the store again
-and the others wait for its answer instead of taking a slot each.
+503. A refusal is remembered until the first of its rule's limits has more
+units (a fixed window's end), and at most ``seconds`` (so an operator's reset
+of a counter takes effect within that). When a memory runs out during a flood,
+one request asks the store again and the others wait for its answer instead of
+taking a slot each.
 """
 
 from __future__ import annotations
@@ -14,18 +15,35 @@ from __future__ import annotations
 import asyncio
 
 from ..clock import Clock
+from ..store.base import Hit
 
 __all__ = ["RefusalMemory", "Remembered"]
 
 
 class Remembered:
-    """One client's refusal under one rule: the counts seen and when each window ends."""
+    """One client's refusal under one rule: the store's report, its times made absolute."""
 
-    __slots__ = ("counts", "ends", "refreshing", "until")
+    __slots__ = (
+        "cost",
+        "fits",
+        "fulls",
+        "nexts",
+        "refreshing",
+        "remaining",
+        "retries",
+        "stamps",
+        "until",
+    )
 
-    def __init__(self, counts: list[int], ends: list[float], until: float) -> None:
-        self.counts = counts
-        self.ends = ends  # monotonic seconds at which each window ends
+    def __init__(self, hit: Hit, now: float, until: float) -> None:
+        self.cost = hit.cost
+        self.fits = hit.fits
+        self.remaining = hit.remaining
+        self.stamps = hit.stamp
+        # Monotonic seconds at which each limit has more units, is whole, would fit.
+        self.nexts = [now + d for d in hit.next]
+        self.fulls = [now + d for d in hit.full]
+        self.retries = [now + d for d in hit.retry]
         self.until = until  # monotonic seconds until which the refusal is answered from here
         # Set while one request asks the store again; the others wait on it.
         self.refreshing: asyncio.Future[None] | None = None
@@ -74,12 +92,16 @@ class RefusalMemory:
             return None
         return entry.refreshing
 
-    def remember(self, key: str, counts: list[int], resets: list[float]) -> None:
-        """Remember a refusal whose windows end ``resets`` seconds from now."""
+    def remember(self, key: str, hit: Hit) -> None:
+        """Remember a refused ``hit``, until the first of its limits has more units.
+
+        Until then every limit's remaining stays as reported and its times only
+        shrink with the clock, so an answer from memory is the store's own. A limit
+        that is whole (``next`` 0, not a fixed window) never changes: it sets no bound.
+        """
         now = self._clock.monotonic()
-        entry = Remembered(
-            counts, [now + r for r in resets], now + min(self.seconds, min(resets, default=0.0))
-        )
+        changes = [d for d in hit.next if d > 0.0]
+        entry = Remembered(hit, now, now + min(self.seconds, min(changes, default=self.seconds)))
         entries = self.entries
         old = entries.pop(key, None)
         if old is not None:

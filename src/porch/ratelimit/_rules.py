@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .._paths import compile_path, normalize_method, path_matches
 from ..errors import ConfigurationError
+from ..store.base import ALGORITHMS, Algorithm
 
 __all__ = ["Limit", "Rule"]
 
@@ -36,8 +37,12 @@ _RATE_FORM = "'<amount>/<unit>' or '<amount> per [<count>] <unit>', e.g. '5/minu
 
 @dataclass(frozen=True, slots=True, init=False)
 class Limit:
-    """``amount`` requests per fixed ``window`` of seconds, starting at the key's first hit.
+    """``amount`` requests per ``window`` of seconds, counted by ``algorithm``.
 
+    ``"fixed"`` (the default): windows starting at the key's first hit.
+    ``"sliding"``: the previous window's count weighted by its remaining overlap.
+    ``"gcra"``: a bucket of ``burst`` requests (default ``amount``) refilled at
+    ``amount`` per ``window``. docs/design.md ("Policies") states each exactly.
     ``Limit("5/minute")`` (or ``"5 per minute"``, ``"10/5s"``) reads a rate
     string; :meth:`parse` reads several (``"100/day; 10/second"``).
     """
@@ -45,8 +50,19 @@ class Limit:
     amount: int
     window: float
     name: str
+    algorithm: Algorithm
+    burst: int
+    """gcra's bucket size; the amount for the other algorithms."""
 
-    def __init__(self, amount: int | str, window: float | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        amount: int | str,
+        window: float | None = None,
+        name: str = "",
+        *,
+        algorithm: Algorithm = "fixed",
+        burst: int | None = None,
+    ) -> None:
         if isinstance(amount, str):
             if window is not None:
                 raise ConfigurationError(
@@ -70,9 +86,21 @@ class Limit:
             name = f"{amount}-per-{window:g}s"
         elif not isinstance(name, str) or not _NAME.match(name):
             raise ConfigurationError(f"limit name must be {_NAME_RULE}, got {name!r}")
+        if algorithm not in ALGORITHMS:
+            raise ConfigurationError(
+                f"limit algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+            )
+        if burst is None:
+            burst = amount
+        elif algorithm != "gcra":
+            raise ConfigurationError(f"a burst applies to gcra limits only, got {algorithm!r}")
+        elif isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise ConfigurationError(f"limit burst must be an integer >= 1, got {burst!r}")
         object.__setattr__(self, "amount", amount)
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "algorithm", algorithm)
+        object.__setattr__(self, "burst", burst)
 
     @staticmethod
     def parse(text: str) -> tuple[Limit, ...]:
@@ -191,7 +219,12 @@ class Rule:
 
     def signature(self) -> tuple[object, ...]:
         """What a namespace means: two rules with one name must agree on it (see Namespaces)."""
-        limits = tuple((limit.name, limit.amount, float(limit.window)) for limit in self.limits)
+        limits = tuple(
+            (limit.name, limit.amount, float(limit.window))
+            if limit.algorithm == "fixed"
+            else (limit.name, limit.amount, float(limit.window), limit.algorithm, limit.burst)
+            for limit in self.limits
+        )
         if self.shared:
             return ("shared", limits)
         methods = None if self.methods is None else tuple(sorted(self.methods))

@@ -1,10 +1,11 @@
 """Alike hits of a batch, sent to a remote store as one entry with a count.
 
 n requests of one client under one rule, in one batch, are n hits on the same
-counters with the same amounts and windows. Decided in arrival order, the first
-k that fit under every limit are allowed and the rest refused, so the server
-needs only the count n and answers with k and the counts before them: a hot
-client costs one step of the server per batch, not one per request.
+counters with the same limits and cost. Decided in arrival order, the first k
+that fit under every limit are allowed and the rest refused (an allowed hit
+only ever takes units, so once one is refused every later one is), so the
+server needs only the count n and answers with k and the state before them: a
+hot client costs one step of the server per batch, not one per request.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from .base import Hit
+from ..errors import StoreError
+from .base import Hit, Settle
 
-__all__ = ["collapse_hits", "settle_alike"]
+__all__ = ["collapse_hits", "fill_alike", "fill_fixed", "refuse_unsupported"]
 
 Op = TypeVar("Op")
 
@@ -22,9 +24,10 @@ Op = TypeVar("Op")
 def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
     """The ops to send, and per sent hit (by position) the alike hits it stands for.
 
-    Hits are alike when they name the same counters with the same amounts and
-    windows. Hits whose counters overlap without being alike (a rule changed
-    between hosts) keep one entry each, in arrival order.
+    Hits are alike when they name the same counters with the same amounts,
+    windows, algorithms, bursts and cost. Hits whose counters overlap without
+    being alike (a rule changed between hosts, another cost), or a counter a
+    :class:`Settle` of the batch names, keep one entry each, in arrival order.
     """
     sent: list[Op] = []
     alike: dict[int, list[Hit]] = {}
@@ -41,11 +44,21 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
                 last is not None
                 and (op.amounts is last.amounts or op.amounts == last.amounts)
                 and (op.windows is last.windows or op.windows == last.windows)
+                and op.cost == last.cost
+                and (op.algorithms is last.algorithms or op.algorithms == last.algorithms)
+                and (op.bursts is last.bursts or op.bursts == last.bursts)
                 and op.keys == last.keys
             ):
                 last_group.append(op)
                 continue
-            shape = (tuple(op.keys), tuple(op.amounts), tuple(op.windows))
+            shape = (
+                tuple(op.keys),
+                tuple(op.amounts),
+                tuple(op.windows),
+                op.cost,
+                None if op.algorithms is None else tuple(op.algorithms),
+                None if op.bursts is None else tuple(op.bursts),
+            )
             at = first.get(shape)
             if at is not None:
                 last, last_group = op, alike[at]
@@ -57,29 +70,81 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
             first[shape] = len(sent)
             last, last_group = op, [op]
             alike[len(sent)] = last_group
+        elif isinstance(op, Settle):
+            # A settle between alike hits must stay between them: no collapsing across it.
+            mark = ("settle", len(sent))
+            for key in op.keys:
+                if owner.setdefault(key, mark) != mark:
+                    return list(ops), {}
         sent.append(op)
     return sent, alike
 
 
-def settle_alike(
-    hits: Sequence[Hit], allowed: int, before: Sequence[int], resets: Sequence[float], wall: float
+def fill_alike(
+    hits: Sequence[Hit],
+    allowed: int,
+    before: Sequence[int],
+    ends: Sequence[float],
+    starts: Sequence[float],
+    wall: float,
 ) -> None:
-    """Fill alike hits in arrival order: the first ``allowed`` counted, the rest refused.
+    """Fill fixed-window alike hits in arrival order: the first ``allowed`` counted, the
+    rest refused.
 
-    ``before``: each counter's count before them; the j-th hit sees each count
-    plus min(j, allowed).
+    ``before``: each counter's count before them (the j-th hit sees it plus its
+    cost times min(j, allowed)); ``ends``: the seconds until each window ends;
+    ``starts``: each window's start (the hits' ``stamp``).
     """
+    cost = hits[0].cost
+    amounts = hits[0].amounts
+    ends = list(ends)
+    stamp = list(starts)
     if len(before) == 1:  # one limit (the common rule): no comprehension per hit
-        count = before[0]
+        count, amount = before[0], amounts[0]
         for j, hit in enumerate(hits, 1):
+            n = count + cost * (j if j < allowed else allowed)
             hit.allowed = j <= allowed
-            hit.counts = [count + (j if j < allowed else allowed)]
-            hit.resets = list(resets)
+            hit.fits = [hit.allowed]
+            hit.remaining = [amount - n if n < amount else 0]
+            hit.next = hit.full = hit.retry = ends
+            hit.stamp = stamp
             hit.wall = wall
         return
     for j, hit in enumerate(hits, 1):
-        step = j if j < allowed else allowed
+        step = cost * (j if j < allowed else allowed)
         hit.allowed = j <= allowed
-        hit.counts = [c + step for c in before]
-        hit.resets = list(resets)
+        counts = [c + step for c in before]
+        hit.fits = [
+            c + cost <= a if j > allowed else True for c, a in zip(counts, amounts, strict=True)
+        ]
+        hit.remaining = [a - c if c < a else 0 for c, a in zip(counts, amounts, strict=True)]
+        hit.next = hit.full = hit.retry = ends
+        hit.stamp = stamp
         hit.wall = wall
+
+
+def fill_fixed(
+    hits: Sequence[Hit], allowed: int, before: Sequence[int], ends: Sequence[float], t: float
+) -> None:
+    """:func:`fill_alike` for a store that answers no window starts: each ``stamp`` is
+    the window's end less its length, on the store's clock ``t`` (which is also the
+    decisions' wall time). Approximate to a rounding error: good for headers, not for
+    a :class:`Settle`, which such a store does not take."""
+    windows = hits[0].windows
+    starts = [t + end - w for end, w in zip(ends, windows, strict=True)]
+    fill_alike(hits, allowed, before, ends, starts, t)
+
+
+def refuse_unsupported(ops: Sequence[object], store: str) -> None:
+    """StoreError for an op a fixed-window, one-unit store cannot apply: a cost other
+    than 1, another algorithm, a settle."""
+    for op in ops:
+        if isinstance(op, Hit):
+            if op.cost != 1:
+                raise StoreError(f"the {store} store counts one unit per hit, got {op.cost}")
+            if op.algorithms is not None and any(a != "fixed" for a in op.algorithms):
+                raise StoreError(
+                    f"the {store} store decides fixed windows only, got {list(op.algorithms)}"
+                )
+        elif isinstance(op, Settle):
+            raise StoreError(f"the {store} store cannot settle a cost")

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 from ..clock import Clock
 from .admin import StoreAdmin
 
 __all__ = [
+    "ALGORITHMS",
     "SECRET_BYTES",
+    "Algorithm",
     "ApplyNow",
     "ApplyThen",
     "Capabilities",
@@ -36,6 +38,7 @@ __all__ = [
     "Release",
     "Save",
     "SaveOutcome",
+    "Settle",
     "Store",
     "StoreOp",
     "StoreStatistics",
@@ -50,28 +53,118 @@ Durability = Literal["process", "power"]
 ``"power"``: every group commit is synced to disk and survives a power loss."""
 
 
-class Hit:
-    """Count one request against one or more fixed-window limits, all or nothing.
+Algorithm = Literal["fixed", "sliding", "gcra"]
+"""How a limit counts (docs/design.md, "Policies"): ``"fixed"`` windows starting at a
+key's first hit; ``"sliding"``, the sliding-window counter (the previous window's count
+weighted by its overlap); ``"gcra"``, a token bucket of ``burst`` units refilled at
+``amount`` per ``window``, kept as its theoretical arrival time."""
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
-    Inputs: one counter key, amount and window (seconds) per limit. Results,
-    filled by the store: whether the request is allowed (a refused hit consumes
-    nothing), the count of each window after this hit, and the seconds until
-    each window ends; ``wall`` is the wall time (Unix seconds) the decision was
-    taken at, for the headers a client reads.
+
+class Hit:
+    """Count one request of ``cost`` units against one or more limits, all or nothing.
+
+    Inputs, per limit: the counter key, the amount, the window (seconds), the
+    algorithm (``algorithms``; None: every limit is ``"fixed"``) and, for gcra,
+    the burst (``bursts``; None: the amounts). ``cost`` (an int >= 0) is the
+    request's, the same for every limit.
+
+    Results, filled by the store: ``allowed`` iff the hit fits every limit (a
+    refused hit changes nothing at all); per limit, whether it fits (``fits``),
+    the units left after the decision (``remaining``), and in seconds from the
+    decision: until more units are available (``next``), until the limit is
+    whole again (``full``), and the earliest time this hit could fit
+    (``retry``); ``stamp``, the window the hit was counted in (what a
+    :class:`Settle` names). ``wall`` is the wall time (Unix seconds) the
+    decision was taken at, for the headers a client reads.
     """
 
-    __slots__ = ("allowed", "amounts", "counts", "keys", "resets", "wall", "windows")
+    __slots__ = (
+        "algorithms",
+        "allowed",
+        "amounts",
+        "bursts",
+        "cost",
+        "fits",
+        "full",
+        "keys",
+        "next",
+        "remaining",
+        "retry",
+        "stamp",
+        "wall",
+        "windows",
+    )
 
     def __init__(
-        self, keys: Sequence[str], amounts: Sequence[int], windows: Sequence[float]
+        self,
+        keys: Sequence[str],
+        amounts: Sequence[int],
+        windows: Sequence[float],
+        algorithms: Sequence[Algorithm] | None = None,
+        bursts: Sequence[int] | None = None,
+        cost: int = 1,
     ) -> None:
         self.keys = keys
         self.amounts = amounts
         self.windows = windows
+        self.algorithms = algorithms
+        self.bursts = bursts
+        self.cost = cost
         self.allowed = False
-        self.counts: list[int] = []
-        self.resets: list[float] = []
+        # Empty until the store fills them (no list allocated per hit for nothing).
+        self.fits: Sequence[bool] = ()
+        self.remaining: Sequence[int] = ()
+        self.next: Sequence[float] = ()
+        self.full: Sequence[float] = ()
+        self.retry: Sequence[float] = ()
+        self.stamp: Sequence[float] = ()
         self.wall = 0.0
+
+
+class Settle:
+    """Charge (``delta`` > 0) or refund (< 0) units on an allowed hit's limits afterwards.
+
+    Per limit: the hit's key, amount, window, algorithm and burst, the units to
+    add (``deltas``: the actual cost minus the hit's) and the hit's ``stamp``.
+    A settle never refuses and may take a limit past its amount (requests are
+    refused until it refills); a refund to a window that has gone changes
+    nothing (docs/design.md, "Policies": the settle rule). No results.
+    """
+
+    __slots__ = ("algorithms", "amounts", "bursts", "deltas", "keys", "stamps", "windows")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        amounts: Sequence[int],
+        windows: Sequence[float],
+        deltas: Sequence[int],
+        stamps: Sequence[float],
+        algorithms: Sequence[Algorithm] | None = None,
+        bursts: Sequence[int] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.amounts = amounts
+        self.windows = windows
+        self.deltas = deltas
+        self.stamps = stamps
+        self.algorithms = algorithms
+        self.bursts = bursts
+
+    @classmethod
+    def of(cls, hit: Hit, actual: int) -> Settle:
+        """The settle of an allowed ``hit`` whose request turned out to cost ``actual``."""
+        delta = actual - hit.cost
+        return cls(
+            hit.keys,
+            hit.amounts,
+            hit.windows,
+            [delta] * len(hit.keys),
+            hit.stamp,
+            hit.algorithms,
+            hit.bursts,
+        )
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -195,7 +288,7 @@ class Release:
         self.released = False
 
 
-StoreOp = Hit | Lookup | Claim | Save | Release
+StoreOp = Hit | Settle | Lookup | Claim | Save | Release
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +366,11 @@ class Capabilities:
 
     admin: Callable[[], StoreAdmin] | None = None
     """The operator's view of the store (``porch inspect|reset|purge|check``)."""
+
+    algorithms: frozenset[Algorithm] = frozenset({"fixed"})
+    """The algorithms the store's :class:`Hit` and :class:`Settle` decide (see
+    :data:`Algorithm`): a rule using another is a ConfigurationError when its
+    middleware is built. Every store decides fixed windows."""
 
 
 class Store(Protocol):

@@ -59,7 +59,7 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 counter, amount, window = rest.split(" ")
                 hit = Hit([counter], [int(amount)], [float(window)])
                 await store.apply([hit])
-                say(allowed=hit.allowed, counts=hit.counts, resets=hit.resets, wall=hit.wall)
+                say(allowed=hit.allowed, remaining=hit.remaining, next=hit.next, wall=hit.wall)
             else:  # "exit", or stdin closed
                 break
     finally:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from porch.store.base import Hit
+from support import used
 
 from .conftest import Backend
 
@@ -49,12 +50,12 @@ async def test_hosts_with_skewed_clocks_share_one_window(backend: Backend, offse
     async def there() -> Hit:
         answer = await skewed.send(f"hit skew 3 {window}")
         hit = Hit(["skew"], [3], [window])
-        hit.allowed, hit.counts = answer["allowed"], answer["counts"]
-        hit.resets, hit.wall = answer["resets"], answer["wall"]
+        hit.allowed, hit.remaining = answer["allowed"], answer["remaining"]
+        hit.next, hit.wall = answer["next"], answer["wall"]
         return hit
 
     hits = [await here(), await there(), await here(), await there(), await here()]
-    assert [(h.allowed, h.counts) for h in hits] == [
+    assert [(h.allowed, used(h)) for h in hits] == [
         (True, [1]),
         (True, [2]),
         (True, [3]),
@@ -64,9 +65,9 @@ async def test_hosts_with_skewed_clocks_share_one_window(backend: Backend, offse
     # The skewed host's decisions carry the server's time, and the same window end.
     for h in hits:
         assert abs(h.wall - time.time()) < 5.0
-    ends = [h.wall + h.resets[0] for h in hits]
+    ends = [h.wall + h.next[0] for h in hits]
     assert max(ends) - min(ends) < backend.tolerance
-    await backend.elapse(max(h.resets[0] for h in hits) + 0.2)
+    await backend.elapse(max(h.next[0] for h in hits) + 0.2)
     fresh = await there()
-    assert (fresh.allowed, fresh.counts) == (True, [1])
-    assert (await here()).counts == [2]
+    assert (fresh.allowed, used(fresh)) == (True, [1])
+    assert used(await here()) == [2]

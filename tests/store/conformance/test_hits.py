@@ -9,6 +9,7 @@ import pytest
 
 from porch.pool._pool import Call, Shard
 from porch.store.base import Hit, Store, StoreOp
+from support import used
 
 from .conftest import Backend
 
@@ -24,7 +25,7 @@ async def hit(store: Store, keys: list[str], amounts: list[int], windows: list[f
 async def test_a_limit_counts_to_its_amount_then_refuses(backend: Backend) -> None:
     store = await backend.store()
     verdicts = [await hit(store, ["one"], [3], [60.0]) for _ in range(5)]
-    assert [(h.allowed, h.counts) for h in verdicts] == [
+    assert [(h.allowed, used(h)) for h in verdicts] == [
         (True, [1]),
         (True, [2]),
         (True, [3]),
@@ -38,7 +39,7 @@ async def test_hits_in_one_batch_count_in_order(backend: Backend) -> None:
     hits = [Hit(["batch"], [10], [60.0]) for _ in range(14)]
     await store.apply(hits)
     assert [h.allowed for h in hits] == [True] * 10 + [False] * 4
-    assert [h.counts[0] for h in hits] == [*range(1, 11), 10, 10, 10, 10]
+    assert [used(h)[0] for h in hits] == [*range(1, 11), 10, 10, 10, 10]
 
 
 async def test_a_batch_mixing_clients_and_rules_decides_each_hit_in_turn(backend: Backend) -> None:
@@ -47,7 +48,7 @@ async def test_a_batch_mixing_clients_and_rules_decides_each_hit_in_turn(backend
     other = (["m:other"], [2], [60.0])
     hits = [Hit(*shape) for shape in (pair, other, pair, pair, other, other, pair, pair)]
     await store.apply(hits)
-    assert [(h.allowed, h.counts) for h in hits] == [
+    assert [(h.allowed, used(h)) for h in hits] == [
         (True, [1, 1]),
         (True, [1]),
         (True, [2, 2]),
@@ -57,15 +58,17 @@ async def test_a_batch_mixing_clients_and_rules_decides_each_hit_in_turn(backend
         (False, [3, 3]),
         (False, [3, 3]),
     ]
-    assert all(0 < r <= 60.0 for h in hits for r in h.resets)
+    assert all(0 < r <= 60.0 for h in hits for r in h.next)
     # One counter under two amounts in one batch (a rule changed between hosts).
-    mixed = [Hit(["m:other"], [n], [60.0]) for n in (3, 2, 3, 4)]
+    # The count goes 2, 3, 3, 3, 4, 5: what remains is each hit's amount less it.
+    mixed = [Hit(["m:other"], [n], [60.0]) for n in (3, 2, 3, 4, 7)]
     await store.apply(mixed)
-    assert [(h.allowed, h.counts) for h in mixed] == [
-        (True, [3]),
-        (False, [3]),
-        (False, [3]),
-        (True, [4]),
+    assert [(h.allowed, h.remaining) for h in mixed] == [
+        (True, [0]),
+        (False, [0]),
+        (False, [0]),
+        (True, [0]),
+        (True, [2]),
     ]
 
 
@@ -80,7 +83,7 @@ async def test_several_limits_are_all_or_nothing_and_a_refusal_consumes_nothing(
     second = await hit(store, keys, amounts, windows)
     # The short limit refuses: the long one must not count it either.
     third = await hit(store, keys, amounts, windows)
-    assert [(h.allowed, h.counts) for h in (first, second, third)] == [
+    assert [(h.allowed, used(h)) for h in (first, second, third)] == [
         (True, [1, 1]),
         (True, [2, 2]),
         (False, [2, 2]),
@@ -89,10 +92,10 @@ async def test_several_limits_are_all_or_nothing_and_a_refusal_consumes_nothing(
     fourth = await hit(store, keys, amounts, windows)
     # The long limit refuses now: the fresh short window must not count it.
     fifth = await hit(store, keys, amounts, windows)
-    assert [(h.allowed, h.counts) for h in (fourth, fifth)] == [(True, [1, 3]), (False, [1, 3])]
+    assert [(h.allowed, used(h)) for h in (fourth, fifth)] == [(True, [1, 3]), (False, [1, 3])]
     # Other rules sharing one of the keys see exactly what was consumed.
     alone = await hit(store, ["c:long"], [4], [60.0])
-    assert (alone.allowed, alone.counts) == (True, [4])
+    assert (alone.allowed, used(alone)) == (True, [4])
 
 
 async def test_a_window_starts_at_the_first_hit_and_resets_when_it_ends(
@@ -102,23 +105,23 @@ async def test_a_window_starts_at_the_first_hit_and_resets_when_it_ends(
     window, tol = 1.0, backend.tolerance
     first = await hit(store, ["w"], [5], [window])
     assert first.allowed
-    assert first.counts == [1]
-    assert window - tol <= first.resets[0] <= window + 1e-6
+    assert used(first) == [1]
+    assert window - tol <= first.next[0] <= window + 1e-6
     # The wall time is the decision's: the ManualClock's, or the server's (this host).
     expected_wall = backend.clock.wall() if backend.clock is not None else time.time()
     assert first.wall == pytest.approx(expected_wall, abs=2.0 if backend.leases else 1e-9)
 
     await backend.elapse(0.4)
     second = await hit(store, ["w"], [5], [window])
-    assert second.counts == [2]
-    assert second.resets[0] < first.resets[0]
-    assert second.resets[0] == pytest.approx(first.resets[0] - 0.4, abs=tol)
+    assert used(second) == [2]
+    assert second.next[0] < first.next[0]
+    assert second.next[0] == pytest.approx(first.next[0] - 0.4, abs=tol)
     assert second.wall >= first.wall
 
-    await backend.elapse(second.resets[0] + 0.15)
+    await backend.elapse(second.next[0] + 0.15)
     third = await hit(store, ["w"], [5], [window])
-    assert (third.allowed, third.counts) == (True, [1])  # a fresh window
-    assert window - tol <= third.resets[0] <= window + 1e-6
+    assert (third.allowed, used(third)) == (True, [1])  # a fresh window
+    assert window - tol <= third.next[0] <= window + 1e-6
 
 
 async def test_keys_and_windows_are_independent(backend: Backend) -> None:
@@ -158,11 +161,11 @@ async def test_counts_are_exact_under_concurrent_callers_from_two_pools(backend:
     allowed = [h for h in hits if h.allowed]
     assert len(allowed) == limit
     # Every allowed hit saw its own count: nothing was counted twice or lost.
-    assert sorted(h.counts[0] for h in allowed) == list(range(1, limit + 1))
-    assert all(h.counts[0] == limit for h in hits if not h.allowed)
+    assert sorted(used(h)[0] for h in allowed) == list(range(1, limit + 1))
+    assert all(used(h)[0] == limit for h in hits if not h.allowed)
     # Each pool's own counter took exactly its allowed hits.
     for pool in pools:
         mine = [h for h in allowed if h.keys[1] == f"crowd:{id(pool)}"]
-        assert sorted(h.counts[1] for h in mine) == list(range(1, len(mine) + 1))
+        assert sorted(used(h)[1] for h in mine) == list(range(1, len(mine) + 1))
     after = await hit(pools[0].store, ["crowd"], [limit], [60.0])
-    assert (after.allowed, after.counts) == (False, [limit])
+    assert (after.allowed, used(after)) == (False, [limit])

@@ -13,6 +13,7 @@ from porch.errors import ConfigurationError, StoreError
 from porch.store.base import Claim, Hit, Quota, Save, StoredResponse
 from porch.store.postgres import PostgresStore
 from porch.store.postgres.schema import SCHEMA_VERSION
+from support import used
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -33,7 +34,7 @@ async def test_hosts_opening_at_once_migrate_exactly_once(postgres_url: str, sch
         assert await _versions(postgres_url, schema) == list(range(1, SCHEMA_VERSION + 1))
         hits = [Hit(["k"], [100], [60.0]) for _ in stores]
         await asyncio.gather(*(s.apply([h]) for s, h in zip(stores, hits, strict=True)))
-        assert sorted(h.counts[0] for h in hits) == [1, 2, 3, 4]
+        assert sorted(used(h)[0] for h in hits) == [1, 2, 3, 4]
     finally:
         await asyncio.gather(*(s.close() for s in stores))
     again = PostgresStore(postgres_url, schema=schema)

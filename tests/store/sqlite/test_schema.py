@@ -13,6 +13,7 @@ from porch.store.base import Hit
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite import schema as sqlite_schema
 from porch.store.sqlite.ops import split_key
+from support import used
 
 pytestmark = pytest.mark.anyio
 
@@ -79,14 +80,14 @@ async def test_a_version_3_file_is_upgraded_in_place_and_keeps_every_counter(
         assert full_rows(path) == before  # the view shows every key as it was
         hits = [Hit([key], [5], [60.0]) for key in live]
         await store.apply(hits)
-        assert [(h.allowed, h.counts[0]) for h in hits] == [
+        assert [(h.allowed, used(h)[0]) for h in hits] == [
             (False, 5),  # alice at her limit stays refused
             (True, 2),
             (True, 3),
             (True, 5),
             (True, 4),
         ]
-        assert all(0 < h.resets[0] <= 60 for h in hits)  # the old windows, not fresh ones
+        assert all(0 < h.next[0] <= 60 for h in hits)  # the old windows, not fresh ones
     finally:
         await store.close()
     with sqlite3.connect(path) as conn:

@@ -17,6 +17,7 @@ from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.claims import SQLiteClaims
 from porch.store.sqlite.ops import apply_batch
 from porch.store.sqlite.schema import SCHEMA_VERSION, migrate
+from support import used
 
 pytestmark = pytest.mark.anyio
 
@@ -49,7 +50,7 @@ async def hit(store: SQLiteStore, key: str = "k", amount: int = 3, window: float
 
 
 async def test_counts_up_to_the_limit_then_refuses_without_consuming(store: SQLiteStore) -> None:
-    verdicts = [(h.allowed, h.counts[0]) for h in [await hit(store) for _ in range(5)]]
+    verdicts = [(h.allowed, used(h)[0]) for h in [await hit(store) for _ in range(5)]]
     assert verdicts == [(True, 1), (True, 2), (True, 3), (False, 3), (False, 3)]
     assert rows(store.path)["k"][0] == 3
 
@@ -58,7 +59,7 @@ async def test_one_batch_is_one_transaction_and_counts_each_hit(store: SQLiteSto
     hits = [Hit(["same"], [10], [60.0]) for _ in range(15)]
     await store.apply(hits)
     assert [h.allowed for h in hits] == [True] * 10 + [False] * 5
-    assert [h.counts[0] for h in hits[:10]] == list(range(1, 11))
+    assert [used(h)[0] for h in hits[:10]] == list(range(1, 11))
     assert store.statistics().transactions == 1
     assert rows(store.path)["same"][0] == 10
 
@@ -81,7 +82,7 @@ async def test_all_limits_or_nothing(store: SQLiteStore) -> None:
     await store.apply([first, second, third])
     assert (first.allowed, second.allowed, third.allowed) == (True, True, False)
     # The refused hit consumed neither limit.
-    assert third.counts == [2, 2]
+    assert used(third) == [2, 2]
     assert rows(store.path)["day"][0] == 2
 
 
@@ -93,7 +94,7 @@ async def test_elapsed_window_restarts_in_place(store: SQLiteStore, clock: Manua
     clock.advance(10.0)
     again = await hit(store, window=10)
     assert again.allowed
-    assert again.counts == [1]
+    assert used(again) == [1]
     after = rows(store.path)["k"]
     assert after == (1, before[1] + 10.0, before[2] + 10.0)
 
@@ -102,7 +103,7 @@ async def test_reset_reports_time_until_window_end(store: SQLiteStore, clock: Ma
     await hit(store, window=30)
     clock.advance(12.5)
     h = await hit(store, window=30)
-    assert h.resets == [pytest.approx(17.5)]
+    assert list(h.next) == [pytest.approx(17.5)]
     assert h.wall == clock.wall()
 
 

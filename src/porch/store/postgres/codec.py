@@ -6,9 +6,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ...errors import StoreError
 from .._leases import CLAIM, HeldLeases
-from ..alike import settle_alike
-from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
+from ..alike import fill_fixed
+from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp
 from .hits import HitArrays
 
 __all__ = ["Op", "Renew", "arguments", "settle"]
@@ -57,6 +58,8 @@ def arguments(
             same = alike.get(i)
             hits.add(op, 1 if same is None else len(same))
             continue
+        if isinstance(op, Settle):
+            raise StoreError("the PostgreSQL store cannot settle a cost")
         keys[i] = op.key
         if isinstance(op, Lookup):
             kinds[i] = _LOOKUP
@@ -106,7 +109,7 @@ def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: He
         if kind is Hit:
             # code: how many of the alike hits were allowed; row[4]: counts before them.
             group: Sequence[Any] = alike.get(i - 1) or (op,)
-            settle_alike(group, code, row[4], row[5], wall)
+            fill_fixed(group, code, row[4], row[5], wall)
         elif kind is Lookup:
             lookup: Any = op
             lookup.result = _stored(row) if code == 1 else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..alike import settle_alike
+from ..alike import fill_fixed
 from ..base import Hit
 
 __all__ = [
@@ -174,4 +174,4 @@ def settle_hits(hits: Sequence[Any], alike: dict[int, list[Hit]], rows: list[Any
         i = row[0] - 1
         if i < 0:
             continue
-        settle_alike(alike.get(i) or (hits[i],), row[1], row[3], row[4], wall)
+        fill_fixed(alike.get(i) or (hits[i],), row[1], row[3], row[4], wall)

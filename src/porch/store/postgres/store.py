@@ -41,7 +41,7 @@ from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...errors import ConfigurationError, StoreError
 from .._leases import CLAIM, Heartbeat, HeldLeases
 from .._watches import Watches
-from ..alike import collapse_hits
+from ..alike import collapse_hits, refuse_unsupported
 from ..base import Capabilities, Claim, Hit, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
@@ -151,6 +151,8 @@ class PostgresStore:
             shards=4,
             in_flight=in_flight,
             admin=self.admin,
+            # Fixed windows of one unit per hit; no settles yet (StoreError).
+            algorithms=frozenset({"fixed"}),
         )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
@@ -360,6 +362,7 @@ class PostgresStore:
         try:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
+            refuse_unsupported(ops, "PostgreSQL")
             sent, alike = collapse_hits(ops)
             if sent and all(type(op) is Hit for op in sent):  # the limiter: a lean function
                 async with asyncio.timeout(self.statement_timeout + 0.5):

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from ...errors import StoreError
 from .._leases import CLAIM, HeldLeases
-from ..alike import settle_alike
+from ..alike import fill_fixed
 from ..base import (
     Claim,
     Hit,
@@ -90,7 +90,7 @@ def settle(held: HeldLeases, op: StoreOp, result: Any, alike: list[Hit] | None =
         # result: how many of the alike hits were allowed, the time, the counts
         # before them, the milliseconds left of each window.
         n = len(op.keys)
-        settle_alike(
+        fill_fixed(
             alike if alike is not None else (op,),
             int(result[0]),
             [int(c) for c in result[2 : 2 + n]],

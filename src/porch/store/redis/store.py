@@ -30,7 +30,7 @@ from ..._tasks import stop_task
 from ...errors import ConfigurationError, StoreError
 from .._leases import Heartbeat, HeldLeases
 from .._watches import Watches
-from ..alike import collapse_hits
+from ..alike import collapse_hits, refuse_unsupported
 from ..base import SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
@@ -145,6 +145,8 @@ class RedisStore:
             shards=4,
             in_flight=in_flight,
             admin=self.admin,
+            # Fixed windows of one unit per hit; no settles yet (StoreError).
+            algorithms=frozenset({"fixed"}),
         )
         self.names = KeyNames(prefix)
         self._subscription = Subscription(self.names.channel)
@@ -301,6 +303,7 @@ class RedisStore:
         group = self._group
         if group is None:
             raise StoreError("the Redis store is not open")
+        refuse_unsupported(ops, "Redis")
         # Alike hits (one client of one rule) go as one script call with a count.
         sent, alike = collapse_hits(ops)
         names, lease_ms = self.names, self._lease_ms

@@ -16,7 +16,9 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ..base import Claim, Hit, Lookup, Release, Save, StoredResponse, StoreOp
+from ...errors import StoreError
+from ..algorithms import FIXED, State, expiry, fresh, read, settle
+from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp
 from .claims import SQLiteClaims
 from .saves import Bodies, Heads, apply_writes, chunks
 
@@ -71,9 +73,9 @@ def apply_batch(
     """
     if len(ops) == 1:
         op = ops[0]
-        if type(op) is Hit and len(op.keys) == 1:
+        if type(op) is Hit and len(op.keys) == 1 and op.algorithms is None:
             # The uncontended request's batch (see KeyPool.apply_now): the same rows and
-            # verdict as _apply_hits, without its per-batch sets, dicts and SQL text.
+            # verdict as _apply_counters, without its per-batch sets, dicts and SQL text.
             created = _apply_lone_hit(conn, op, now, wall, {} if names is None else names)
             # The same prunes, each run only when the index shows it has a row to
             # delete: one two-probe statement instead of two DELETEs that find nothing.
@@ -83,12 +85,12 @@ def apply_batch(
             if counts:
                 _prune_counters(conn, now, max(prune, 2 * created))
             return
-    hits: list[Hit] = []
+    counters: list[Hit | Settle] = []
     reads: list[Claim | Lookup] = []
     writes: list[Save | Release] = []
     for op in ops:
-        if type(op) is Hit:
-            hits.append(op)
+        if type(op) is Hit or type(op) is Settle:
+            counters.append(op)
         elif type(op) is Claim or type(op) is Lookup:
             reads.append(op)
         elif type(op) is Save or type(op) is Release:
@@ -108,8 +110,8 @@ def apply_batch(
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
-    if hits:
-        created = _apply_hits(conn, hits, now, wall, {} if names is None else names)
+    if counters:
+        created = _apply_counters(conn, counters, now, wall, {} if names is None else names)
         _prune_counters(conn, now, max(prune, 2 * created))
 
 
@@ -202,6 +204,9 @@ def _select_responses(
     return found
 
 
+# A one-limit hit's fits, shared (immutable): one allocation fewer per request.
+_FITS, _REFUSED = (True,), (False,)
+
 # What a transaction must write for a counter row.
 _CLEAN, _COUNT, _WINDOW = 0, 1, 2
 
@@ -243,86 +248,78 @@ def _name_ids(
     return ids
 
 
-_SELECT_COUNTER = "SELECT count, expires FROM counts WHERE name = ? AND client = ?"
+_SELECT_COUNTER = "SELECT count, window_start, expires FROM counts WHERE name = ? AND client = ?"
 _UPDATE_COUNT = "UPDATE counts SET count = ? WHERE name = ? AND client = ?"
 
 
 def _apply_lone_hit(
     conn: sqlite3.Connection, hit: Hit, now: float, wall: float, known: dict[str, int]
 ) -> int:
-    """A batch of one hit on one limit: _apply_hits's rows and verdict, with one row read
-    and at most one statement written; 1 if it created the row, else 0."""
+    """A batch of one fixed-window hit on one limit: _apply_counters's rows and verdict, with
+    one row read and at most one statement written; 1 if it created the row, else 0."""
     key = hit.keys[0]
     prefix, client = split_key(key)
     name = known.get(prefix)
     if name is None:
         name = _name_ids(conn, [prefix], known)[prefix]
     row = conn.execute(_SELECT_COUNTER, (name, client)).fetchone()
-    if row is None or now >= row[1]:
-        # A fresh window, or an elapsed one overwritten in place (as in _apply_hits).
-        allowed = hit.amounts[0] > 0
-        count, expires = int(allowed), now + hit.windows[0]
-        conn.execute(_UPSERT_COUNTER, (name, client, count, now, expires, wall))
-    else:
-        count, expires = row
-        allowed = count < hit.amounts[0]
+    amount = hit.amounts[0]
+    cost = hit.cost
+    if row is None or now >= row[2]:
+        # A fresh window, or an elapsed one overwritten in place (as in _apply_counters).
+        count, start, expires = 0, now, now + hit.windows[0]
+        allowed = cost <= amount
         if allowed:
-            count += 1
+            count = cost
+            conn.execute(_UPSERT_COUNTER, (name, client, count, now, expires, wall))
+    else:
+        count, start, expires = row
+        allowed = count + cost <= amount
+        if allowed:
+            count += cost
             conn.execute(_UPDATE_COUNT, (count, name, client))
     hit.allowed = allowed
-    hit.counts = [count]
-    hit.resets = [expires - now]
+    hit.fits = _FITS if allowed else _REFUSED
+    hit.remaining = [amount - count if count < amount else 0]
+    # A fixed window's next, full and retry are all its end: one list, read only.
+    hit.next = hit.full = hit.retry = [expires - now]
+    hit.stamp = [start]
     hit.wall = wall
-    return 1 if row is None else 0
+    return 1 if row is None and allowed else 0
 
 
-def _apply_hits(
-    conn: sqlite3.Connection, hits: list[Hit], now: float, wall: float, known: dict[str, int]
-) -> int:
-    # key -> [count, window_start, expires, wall_start, write, name, client]; read once
-    # per transaction, written once per transaction, however many hits share a key.
+def _read_counters(
+    conn: sqlite3.Connection, keys: set[str], known: dict[str, int]
+) -> tuple[dict[str, list[Any]], dict[str, tuple[str, str]], dict[str, int]]:
+    """The rows of ``keys`` (key -> [count, window_start, expires, wall_start, write]),
+    each key's (prefix, client), and the prefixes' ids."""
     rows: dict[str, list[Any]] = {}
     places: dict[str, tuple[str, str]] = {}
     clients: dict[str, dict[str, str]] = {}  # prefix -> client -> key
-    for key in {key for hit in hits for key in hit.keys}:
+    for key in keys:
         prefix, client = places[key] = split_key(key)
         clients.setdefault(prefix, {})[client] = key
     names = _name_ids(conn, list(clients), known)
-    for prefix, keys in clients.items():
+    for prefix, of_prefix in clients.items():
         name = names[prefix]
-        for chunk in chunks(list(keys)):
+        for chunk in chunks(list(of_prefix)):
             marks = ",".join("?" * len(chunk))
             for client, count, start, expires, wall_start in conn.execute(
                 "SELECT client, count, window_start, expires, wall_start FROM counts"
                 f" WHERE name = ? AND client IN ({marks})",
                 [name, *chunk],
             ):
-                rows[keys[client]] = [count, start, expires, wall_start, _CLEAN]
-    created = 0
-    for hit in hits:
-        current: list[list[Any]] = []
-        allowed = True
-        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
-            row = rows.get(key)
-            if row is None or now >= row[2]:
-                # A fresh window, or an elapsed one overwritten in place (the
-                # expired row is pruned on this access, never deleted+inserted).
-                if row is None:
-                    created += 1
-                row = [0, now, now + window, wall, _WINDOW]
-                rows[key] = row
-            if row[0] >= amount:
-                allowed = False
-            current.append(row)
-        if allowed:
-            for row in current:
-                row[0] += 1
-                if row[4] == _CLEAN:
-                    row[4] = _COUNT
-        hit.allowed = allowed
-        hit.counts = [row[0] for row in current]
-        hit.resets = [row[2] - now for row in current]
-        hit.wall = wall
+                rows[of_prefix[client]] = [count, start, expires, wall_start, _CLEAN]
+    return rows, places, names
+
+
+def _write_counters(
+    conn: sqlite3.Connection,
+    rows: dict[str, list[Any]],
+    places: dict[str, tuple[str, str]],
+    names: dict[str, int],
+) -> None:
+    """Write each changed row once: a new window in full, a count alone otherwise."""
     windows: list[tuple[Any, ...]] = []
     counts: list[tuple[Any, ...]] = []
     for key, r in rows.items():
@@ -338,4 +335,111 @@ def _apply_hits(
         # Within a window only the count changes: leaving the indexed expiry
         # column alone keeps the index pages out of the commit.
         conn.executemany(_UPDATE_COUNT, counts)
+
+
+def _apply_counters(
+    conn: sqlite3.Connection,
+    ops: list[Hit | Settle],
+    now: float,
+    wall: float,
+    known: dict[str, int],
+) -> int:
+    """Decide the hits and apply the settles in arrival order; how many rows were created.
+
+    Every key is read once per transaction and written once per transaction, however
+    many ops share it.
+    """
+    rows, places, names = _read_counters(conn, {key for op in ops for key in op.keys}, known)
+    created = 0
+    for op in ops:
+        if isinstance(op, Settle):
+            _settle(op, rows, now, wall)
+            continue
+        hit = op
+        cost = hit.cost
+        if hit.algorithms is None and len(hit.keys) == 1:
+            # One fixed window (the common rule): no per-limit lists to build.
+            key = hit.keys[0]
+            amount = hit.amounts[0]
+            row = rows.get(key)
+            if row is None or now >= row[2]:
+                fresh: list[Any] = [0, now, now + hit.windows[0], wall, _WINDOW]
+                allowed = cost <= amount
+                if allowed:
+                    if row is None:
+                        created += 1
+                    row = rows[key] = fresh
+                    row[0] = cost
+                else:
+                    row = fresh
+            else:
+                allowed = row[0] + cost <= amount
+                if allowed:
+                    row[0] += cost
+                    if row[4] == _CLEAN:
+                        row[4] = _COUNT
+            count = row[0]
+            hit.allowed = allowed
+            hit.fits = _FITS if allowed else _REFUSED
+            hit.remaining = [amount - count if count < amount else 0]
+            hit.next = hit.full = hit.retry = [row[2] - now]
+            hit.stamp = [row[1]]
+            hit.wall = wall
+            continue
+        if hit.algorithms is not None and any(a != "fixed" for a in hit.algorithms):
+            raise StoreError(f"the SQLite store cannot decide {list(hit.algorithms)} yet")
+        # The window each limit's hit falls in: a row's own, or a fresh one (an elapsed
+        # or absent window is replaced only by an allowed hit: a refusal writes nothing).
+        current: list[list[Any]] = []
+        fits: list[bool] = []
+        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+            row = rows.get(key)
+            if row is None or now >= row[2]:
+                row = [0, now, now + window, wall, _WINDOW]
+            current.append(row)
+            fits.append(row[0] + cost <= amount)
+        allowed = all(fits)
+        if allowed:
+            for key, row in zip(hit.keys, current, strict=True):
+                row[0] += cost
+                if row[4] == _CLEAN:
+                    row[4] = _COUNT
+                elif rows.get(key) is not row:
+                    if key not in rows:
+                        created += 1
+                    rows[key] = row  # the new window replaces an elapsed one in place
+        hit.allowed = allowed
+        hit.fits = fits
+        hit.remaining = [
+            amount - row[0] if row[0] < amount else 0
+            for row, amount in zip(current, hit.amounts, strict=True)
+        ]
+        hit.next = hit.full = hit.retry = [row[2] - now for row in current]
+        hit.stamp = [row[1] for row in current]
+        hit.wall = wall
+    _write_counters(conn, rows, places, names)
     return created
+
+
+def _settle(op: Settle, rows: dict[str, list[Any]], now: float, wall: float) -> None:
+    """Charge or refund a settle's units (docs/design.md, "Policies": the settle rule)."""
+    if op.algorithms is not None and any(a != "fixed" for a in op.algorithms):
+        raise StoreError(f"the SQLite store cannot settle {list(op.algorithms)} yet")
+    for key, amount, window, delta, stamp in zip(
+        op.keys, op.amounts, op.windows, op.deltas, op.stamps, strict=True
+    ):
+        row = rows.get(key)
+        if row is None or now >= row[2]:
+            state: State = fresh(FIXED, now)
+        else:
+            state = read(FIXED, row[0], 0, row[1], now, window)
+        settled = settle(FIXED, state, now, delta, stamp, amount, window)
+        if settled is None:
+            continue
+        n, _, s = settled
+        if row is not None and row[1] == s and now < row[2]:
+            row[0] = n
+            if row[4] == _CLEAN:
+                row[4] = _COUNT
+        else:
+            rows[key] = [n, s, expiry(FIXED, s, window), wall, _WINDOW]

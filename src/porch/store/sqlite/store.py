@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
-from ..base import Capabilities, Claims, Durability, Hit, StoreOp, StoreStatistics
+from ..base import Capabilities, Claims, Durability, Hit, Settle, StoreOp, StoreStatistics
 from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
 from .saves import BLOB_ABOVE, has_blob
@@ -145,6 +145,7 @@ class SQLiteStore(SQLiteWriter):
             apply_now=self.apply_now if durability == "process" else None,
             solo_save_bytes=BLOB_ABOVE,
             admin=self.admin,
+            algorithms=frozenset({"fixed"}),
         )
 
     @property
@@ -238,8 +239,8 @@ class SQLiteStore(SQLiteWriter):
 
         ``done`` runs on the calling loop, after the commit: from the writer
         thread's wake-up, or from an inline commit. With ``durability="process"``
-        the hits arriving in one loop iteration, at most INLINE_OPS of them, are
-        committed together on the loop when the writer is idle: that COMMIT is a
+        the hits and settles arriving in one loop iteration, at most INLINE_OPS of
+        them, are committed together on the loop when the writer is idle: that COMMIT is a
         ``write()`` into the page cache, cheaper than the two thread switches and
         the wake-up of a hand-off (at one connection, most of a request's wait).
         Never with fsync, never a claim or a save, never while the writer holds
@@ -257,7 +258,7 @@ class SQLiteStore(SQLiteWriter):
         if (
             self.durability == "process"
             and len(ops) + self._inline_ops <= INLINE_OPS
-            and all(type(op) is Hit for op in ops)
+            and all(type(op) is Hit or type(op) is Settle for op in ops)
         ):
             if not self._inline or self._inline_loop is not loop:
                 # (Left by a loop that stopped before its flush ran: nobody waits for those.)
@@ -276,7 +277,7 @@ class SQLiteStore(SQLiteWriter):
         False if nothing was applied (the caller sends them through ``apply_then``).
 
         The same inline commit as a small batch's (see ``apply_then``), without its wait
-        for the end of the loop iteration: only hits, only ``durability="process"``,
+        for the end of the loop iteration: only hits and settles, only ``durability="process"``,
         never while the writer has work or holds the connection, never while this
         loop's hits wait for their flush (they go first), never waiting for another
         process's write lock. A failed commit is rolled back: nothing was applied.
@@ -286,7 +287,7 @@ class SQLiteStore(SQLiteWriter):
             or self._thread is None
             or self._inline
             or not self._queue.empty()
-            or not all(type(op) is Hit for op in ops)
+            or not all(type(op) is Hit or type(op) is Settle for op in ops)
         ):
             return False
         return self._commit_inline(list(ops))
