@@ -210,7 +210,7 @@ async def test_a_save_with_a_stale_token_is_fenced_and_writes_nothing(
 
 def _broken() -> Hit:
     """A hit whose inputs make the batch fail after its claims and saves were applied."""
-    return Hit(["x"], [1, 2], [1.0])
+    return Hit(["x", "y"], [1], [1.0])
 
 
 @pytest.mark.anyio
