@@ -14,7 +14,9 @@ from .errors import (
 from .idempotency import (
     CallerScope,
     IdempotencyMiddleware,
+    IdempotencyPolicy,
     IdempotencyRule,
+    JSONFingerprint,
     ScopeFunc,
     authorization_scope,
 )
@@ -51,7 +53,9 @@ __all__ = [
     "Exemption",
     "ForwardingHeaderError",
     "IdempotencyMiddleware",
+    "IdempotencyPolicy",
     "IdempotencyRule",
+    "JSONFingerprint",
     "KeyFunc",
     "KeyPool",
     "Limit",

@@ -35,6 +35,22 @@ async def test_storefront_routes(tmp_path: Path) -> None:
     await app.state.pool.close()
 
 
+async def test_orders_compare_json_canonically(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), limit=100))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    key = {"Idempotency-Key": "order-1", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        first = await c.post("/orders", content=b'{"item":"tea","qty":2}', headers=key)
+        again = await c.post("/orders", content=b'{\n  "qty": 2,  "item": "tea"\n}', headers=key)
+        other = await c.post("/orders", content=b'{"item":"tea","qty":3}', headers=key)
+        assert (await c.get("/orders")).json()["count"] == 1
+    await app.state.pool.close()
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert other.status_code == 422
+
+
 async def test_every_body_is_capped(tmp_path: Path) -> None:
     app = create_app(DemoConfig(data_dir=str(tmp_path), limit=100))
     transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))

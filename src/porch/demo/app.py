@@ -22,6 +22,7 @@ from .._asgi import adding_headers
 from .._types import ASGIApp, Receive, Scope, Send
 from ..idempotency._keys import CallerScope
 from ..idempotency._middleware import IdempotencyMiddleware, IdempotencyRule
+from ..idempotency._policy import IdempotencyPolicy
 from ..identity import ClientIdentity
 from ..metrics import PorchMetrics
 from ..pool._pool import KeyPool
@@ -127,8 +128,13 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     app.add_middleware(
         IdempotencyMiddleware,
         pool=pool,
-        rules=IdempotencyRule("/orders", methods=["POST"]),
-        max_body=MAX_BODY,
+        # An order is JSON: a retry that re-serialises it (other key order, other
+        # whitespace) is the same order; another value is still a 422.
+        rules=IdempotencyRule(
+            "/orders",
+            methods=["POST"],
+            policy=IdempotencyPolicy(fingerprint="json", max_body=MAX_BODY),
+        ),
         scope=CallerScope(identity=identity),
     )
     app.add_middleware(

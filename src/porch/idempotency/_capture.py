@@ -32,18 +32,38 @@ TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+class CapturePolicy(Protocol):
+    """What a capture reads of its rule's policy (an IdempotencyPolicy)."""
+
+    @property
+    def ttl(self) -> float: ...
+
+    @property
+    def max_stored(self) -> int: ...
+
+    def stores(self, status: int) -> bool:
+        """Whether a response with ``status`` is stored."""
+        ...
+
+
 class Owner(Protocol):
     """What a capture reports to (the idempotency middleware that made it)."""
 
-    max_stored: int
     events: IdempotencyEvents
     header_names: dict[bytes, bytes]
     """Response header names found valid, and their replayed form (see :func:`head`)."""
 
     def report_owner(
-        self, key: str, token: int, caller: str, response: StoredResponse | None, shard: int
+        self,
+        key: str,
+        token: int,
+        caller: str,
+        response: StoredResponse | None,
+        shard: int,
+        ttl: float | None = None,
     ) -> asyncio.Future[Report]:
-        """Save ``response`` (None: release the key) for the owner holding ``token``."""
+        """Save ``response`` (None: release the key) for the owner holding ``token``, kept
+        ``ttl`` seconds."""
         ...
 
 
@@ -131,6 +151,7 @@ class Capture:
         "key",
         "oversized",
         "owner",
+        "policy",
         "reported",
         "send",
         "shard",
@@ -144,6 +165,7 @@ class Capture:
         self,
         send: Send,
         owner: Owner,
+        policy: CapturePolicy,
         key: str,
         token: int,
         caller: str,
@@ -152,6 +174,7 @@ class Capture:
     ) -> None:
         self.send = send
         self.owner = owner
+        self.policy = policy
         self.key = key
         self.token = token
         self.caller = caller
@@ -168,7 +191,9 @@ class Capture:
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
-        return self.owner.report_owner(self.key, self.token, self.caller, response, self.shard)
+        return self.owner.report_owner(
+            self.key, self.token, self.caller, response, self.shard, self.policy.ttl
+        )
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
@@ -184,7 +209,7 @@ class Capture:
             chunk: bytes = message.get("body", b"")
             if not self.oversized:
                 self.size += len(chunk)
-                if self.size > self.owner.max_stored:
+                if self.size > self.policy.max_stored:
                     self.oversized = True
                     self.chunks.clear()
                 else:
@@ -198,7 +223,7 @@ class Capture:
 
     async def _complete(self) -> None:
         """The app finished its response: store it (if storable) before the last chunk leaves."""
-        if self.invalid is not None or self.oversized or not storable(self.status):
+        if self.invalid is not None or self.oversized or not self.policy.stores(self.status):
             if self.invalid is not None:
                 # The server will refuse to send it; stored, every retry would fail the
                 # same way for the whole ttl. Passed on as is: the server decides.
@@ -209,7 +234,7 @@ class Capture:
             elif self.oversized:
                 logger.warning(
                     "porch: response over max_stored=%d bytes was not stored; key released",
-                    self.owner.max_stored,
+                    self.policy.max_stored,
                 )
             self.report(None)
             return

@@ -36,12 +36,12 @@ from ._keys import (
     InvalidKey,
     ScopeFunc,
     parse_key,
-    scope_digest,
 )
 from ._ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
+from ._policy import IdempotencyPolicy
 from ._rules import IdempotencyRule, select
 
-__all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyRule"]
+__all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyPolicy", "IdempotencyRule"]
 
 logger = logging.getLogger("porch.idempotency")
 
@@ -54,8 +54,13 @@ class IdempotencyMiddleware:
 
     ``scope`` names the caller a key belongs to (default: :class:`CallerScope`,
     credentials or else the client identity; no caller sees another's keys).
-    Responses are kept ``ttl`` seconds. A duplicate waits for a running owner at
-    most ``wait_timeout`` seconds (then 409).
+    ``policy`` (an :class:`IdempotencyPolicy`) says how a keyed request is handled,
+    for every rule that names none of its own: how long responses are kept, which
+    statuses are stored, whether a concurrent duplicate waits or gets 409, the
+    largest body and stored response, the fingerprint. ``ttl``, ``wait_timeout``,
+    ``max_body`` and ``max_stored`` are kept from before policies: given, they change
+    that policy. Responses are kept ``ttl`` seconds. A duplicate waits for a running
+    owner at most ``wait_timeout`` seconds (then 409).
     Keyed bodies over ``max_body`` bytes are refused with 413; responses over
     ``max_stored`` bytes are sent but not stored, and the key is released as if
     the owner had failed (the next duplicate runs the handler). ``quota`` caps
@@ -72,10 +77,11 @@ class IdempotencyMiddleware:
         pool: KeyPool,
         rules: Sequence[IdempotencyRule] | IdempotencyRule = DEFAULT_RULE,
         scope: ScopeFunc | None = None,
-        ttl: float = 86400.0,
-        wait_timeout: float = 30.0,
-        max_body: int = 1 << 20,
-        max_stored: int = 1 << 20,
+        policy: IdempotencyPolicy | None = None,
+        ttl: float | None = None,
+        wait_timeout: float | None = None,
+        max_body: int | None = None,
+        max_stored: int | None = None,
         retry_after: int = 1,
         quota: Quota = DEFAULT_QUOTA,
         enabled: bool = True,
@@ -85,14 +91,20 @@ class IdempotencyMiddleware:
             raise ConfigurationError("IdempotencyMiddleware needs at least one IdempotencyRule")
         if not isinstance(pool, KeyPool):
             raise ConfigurationError("pool must be a porch KeyPool")
-        if ttl <= 0:
-            raise ConfigurationError(f"ttl must be > 0 seconds, got {ttl}")
-        if wait_timeout <= 0:
-            raise ConfigurationError(f"wait_timeout must be > 0 seconds, got {wait_timeout}")
-        if max_body < 0:
-            raise ConfigurationError(f"max_body must be >= 0 bytes, got {max_body}")
-        if max_stored < 0:
-            raise ConfigurationError(f"max_stored must be >= 0 bytes, got {max_stored}")
+        if policy is not None and not isinstance(policy, IdempotencyPolicy):
+            raise ConfigurationError(f"policy must be an IdempotencyPolicy, got {policy!r}")
+        legacy = {
+            name: value
+            for name, value in (
+                ("ttl", ttl),
+                ("wait_timeout", wait_timeout),
+                ("max_body", max_body),
+                ("max_stored", max_stored),
+            )
+            if value is not None
+        }
+        base = policy if policy is not None else IdempotencyPolicy()
+        policy = base.replace(**legacy) if legacy else base
         if retry_after < 1:
             raise ConfigurationError(f"retry_after must be >= 1 second, got {retry_after}")
         if not isinstance(quota, Quota):
@@ -107,14 +119,17 @@ class IdempotencyMiddleware:
         self.app = app
         self.pool = pool
         self.enabled = enabled
-        self._rules = rules
+        self.policy = policy
+        # Each rule with the policy it gets, resolved once.
+        self._rules = tuple((rule, rule.resolve(policy)) for rule in rules)
         self._scope: ScopeFunc = scope if scope is not None else CallerScope()
-        self.ttl = float(ttl)
+        # The default policy's, as before policies (each rule may say otherwise).
+        self.ttl = policy.ttl
+        self.wait_timeout = policy.wait_timeout
+        self.max_body = policy.max_body
+        self.max_stored = policy.max_stored
         # Response header names this middleware's handlers sent, as checked (capture.head).
         self.header_names: dict[bytes, bytes] = {}
-        self.wait_timeout = float(wait_timeout)
-        self.max_body = max_body
-        self.max_stored = max_stored
         self._retry_after = [(b"retry-after", str(retry_after).encode("ascii"))]
         self.quota = quota
         self.events = IdempotencyEvents(pool.metrics, self._caller, quota)
@@ -127,13 +142,13 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await pass_through(self.app, self.pool, scope, receive, send)
             return
-        rule = select(self._rules, normalize_method(scope["method"]), route_path(scope))
-        if rule is None:
+        policy = select(self._rules, normalize_method(scope["method"]), route_path(scope))
+        if policy is None:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"idempotency-key"]
         if not values:
-            if rule.required:
+            if policy.required:
                 self.events.event(
                     scope,
                     "invalid",
@@ -162,7 +177,7 @@ class IdempotencyMiddleware:
             return
 
         try:
-            body = await self._read_body(receive)
+            body = await _read_body(receive, policy.max_body)
         except _BodyTooLarge:
             self.events.event(
                 scope,
@@ -170,15 +185,29 @@ class IdempotencyMiddleware:
                 413,
                 logging.INFO,
                 "porch: refused a keyed body over max_body=%d bytes (413)",
-                self.max_body,
+                policy.max_body,
             )
-            await problem(413, f"a keyed request body may be at most {self.max_body} bytes")(
+            await problem(413, f"a keyed request body may be at most {policy.max_body} bytes")(
                 scope, receive, send
             )
             return
         if body is None:  # the client left while sending
             return
-        digest = scope_digest(scope, body, rule.digest_headers)
+        try:
+            digest = policy.digest(scope, body)
+        except ValueError as exc:  # the policy's fingerprint function refused the body
+            self.events.event(
+                scope,
+                "invalid",
+                400,
+                logging.INFO,
+                "porch: refused a keyed body its fingerprint cannot read: %s",
+                exc,
+            )
+            await problem(400, f"the request body cannot be fingerprinted: {exc}")(
+                scope, receive, send
+            )
+            return
         try:
             if not self.pool.started:
                 await self.pool.start()  # its store's secret keys the caller's digest
@@ -208,7 +237,7 @@ class IdempotencyMiddleware:
                 cause="unidentified",
             )(scope, receive, send)
             return
-        await self._keyed(scope, receive, send, caller, f"{caller}\x1f{key}", digest, body)
+        await self._keyed(scope, receive, send, policy, caller, f"{caller}\x1f{key}", digest, body)
 
     def _caller(self, scope: Scope) -> str:
         """The request's caller scope: the scope function, handed the store's secret (in a
@@ -257,39 +286,27 @@ class IdempotencyMiddleware:
             "porch: refused a keyed request whose caller cannot be told from others (503)",
         )
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise _BodyTooLarge
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
     async def _keyed(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
+        policy: IdempotencyPolicy,
         caller: str,
         key: str,
         digest: bytes,
         body: bytes,
     ) -> None:
         pool = self.pool
+        # "conflict": a duplicate that would wait is answered 409 at once (a zero deadline).
+        wait = policy.wait_timeout if policy.concurrent == "wait" else 0.0
         try:
             if not pool.started:
                 await pool.start()
             future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
             # Parked behind a running owner costs a parked task, no polling. The
             # shard arms the wait_timeout deadline only if the call has to wait.
-            acquire = Acquire(future, key, digest, self.wait_timeout)
+            acquire = Acquire(future, key, digest, wait)
             shard = pool.submit(key, acquire)
             try:
                 outcome = await future
@@ -305,7 +322,7 @@ class IdempotencyMiddleware:
                 409,
                 logging.INFO,
                 "porch: a duplicate waited %.1f s for its owner; 409",
-                self.wait_timeout,
+                wait,
             )
             await problem(
                 409,
@@ -349,7 +366,7 @@ class IdempotencyMiddleware:
         elif outcome is OWNER:
             if outcomes is not None:
                 outcomes["executed"].inc()
-            capture = Capture(send, self, key, acquire.token, caller, digest, shard)
+            capture = Capture(send, self, policy, key, acquire.token, caller, digest, shard)
             await self._run_owner(scope, receive, capture, body)
 
     async def _run_owner(
@@ -364,11 +381,19 @@ class IdempotencyMiddleware:
                 capture.report(None)
 
     def report_owner(
-        self, key: str, token: int, caller: str, response: StoredResponse | None, shard: int
+        self,
+        key: str,
+        token: int,
+        caller: str,
+        response: StoredResponse | None,
+        shard: int,
+        ttl: float | None = None,
     ) -> asyncio.Future[Report]:
-        """Send the owner's report to ``shard``, the one its Acquire went to."""
+        """Send the owner's report to ``shard``, the one its Acquire went to; a response is
+        kept ``ttl`` seconds (default: the middleware's)."""
         done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
-        call = Complete.of(done, key, token, response, self.ttl, caller, self.quota)
+        kept = self.ttl if ttl is None else ttl
+        call = Complete.of(done, key, token, response, kept, caller, self.quota)
         try:
             self.pool.submit(key, call, must_deliver=True, shard=shard)
         except PoolClosedError as exc:
@@ -381,6 +406,22 @@ class IdempotencyMiddleware:
 
 class _BodyTooLarge(Exception):
     """Raised when a keyed request body exceeds ``max_body``."""
+
+
+async def _read_body(receive: Receive, max_body: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > max_body:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -22,6 +22,7 @@ from .._types import ASGIApp, Receive, Scope, Send
 from ..errors import ConfigurationError, RateLimitExceeded
 from ..idempotency._keys import ScopeFunc
 from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
+from ..idempotency._policy import IdempotencyPolicy
 from ..identity import KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle
@@ -102,14 +103,26 @@ class RouteLimit:
 
 
 class RouteIdempotency:
-    """``Idempotency-Key`` honoured on a route (for its unsafe methods, or ``methods``);
-    the settings are :class:`~porch.IdempotencyMiddleware`'s. ``count_replays``: whether
-    a replay (and a duplicate that waited for its owner, a 409, a 422) counts against the
-    route's rate limits — True: the limits are checked first, as every request; False:
-    idempotency answers first and only a request that runs the handler is counted.
-    ``enabled``: False turns it off (it may be set later)."""
+    """``Idempotency-Key`` honoured on a route (for its unsafe methods, or ``methods``),
+    handled as ``policy`` says (an :class:`~porch.IdempotencyPolicy`; default: the
+    default policy). ``required``, ``digest_headers``, ``ttl``, ``wait_timeout``,
+    ``max_body`` and ``max_stored`` are kept from before policies: given, they change
+    it. ``scope`` and ``quota`` are :class:`~porch.IdempotencyMiddleware`'s.
+    ``count_replays``: whether a replay (and a duplicate that waited for its owner, a
+    409, a 422) counts against the route's rate limits — True: the limits are checked
+    first, as every request; False: idempotency answers first and only a request that
+    runs the handler is counted. ``enabled``: False turns it off (it may be set later)."""
 
-    __slots__ = ("count_replays", "enabled", "log", "methods", "required", "rule", "settings")
+    __slots__ = (
+        "count_replays",
+        "enabled",
+        "log",
+        "methods",
+        "policy",
+        "quota",
+        "required",
+        "scope",
+    )
 
     # Whether the declaration puts the Idempotency-Key header in the schema itself (a
     # FastAPI dependency's Header parameter does); else install() documents it.
@@ -118,34 +131,42 @@ class RouteIdempotency:
     def __init__(
         self,
         *,
-        required: bool = False,
+        policy: IdempotencyPolicy | None = None,
+        required: bool | None = None,
         methods: Iterable[str] | None = None,
-        digest_headers: Iterable[str] = (),
+        digest_headers: Iterable[str] | None = None,
         scope: ScopeFunc | None = None,
-        ttl: float = 86400.0,
-        wait_timeout: float = 30.0,
-        max_body: int = 1 << 20,
-        max_stored: int = 1 << 20,
+        ttl: float | None = None,
+        wait_timeout: float | None = None,
+        max_body: int | None = None,
+        max_stored: int | None = None,
         quota: Quota = DEFAULT_QUOTA,
         count_replays: bool = True,
         enabled: bool = True,
     ) -> None:
         self.methods = None if methods is None else frozenset(normalize_method(m) for m in methods)
-        self.required = bool(required)
-        # Validated now: the rule's header names (the rest when installed, with the pool).
-        self.rule = IdempotencyRule(
-            methods=self.methods or _UNSAFE, required=required, digest_headers=digest_headers
-        )
-        self.settings: dict[str, Any] = {
-            "scope": scope,
-            "ttl": ttl,
-            "wait_timeout": wait_timeout,
-            "max_body": max_body,
-            "max_stored": max_stored,
-            "quota": quota,
+        if policy is not None and not isinstance(policy, IdempotencyPolicy):
+            raise ConfigurationError(f"policy must be an IdempotencyPolicy, got {policy!r}")
+        changes = {
+            name: value
+            for name, value in (
+                ("required", required),
+                ("digest_headers", digest_headers),
+                ("ttl", ttl),
+                ("wait_timeout", wait_timeout),
+                ("max_body", max_body),
+                ("max_stored", max_stored),
+            )
+            if value is not None
         }
         self.count_replays = bool(count_replays)
         self.enabled = bool(enabled)
+        # Validated now, where it is declared (the quota with the middleware, when installed).
+        base = policy if policy is not None else IdempotencyPolicy()
+        self.policy = base.replace(**changes) if changes else base
+        self.required = self.policy.required
+        self.scope = scope
+        self.quota = quota
         self.log = EventLog(_logger)
 
 
@@ -447,14 +468,12 @@ def _idempotency(
         raise ConfigurationError(
             f"idempotency on route {route} has no unsafe method to honour; pass methods="
         )
-    rule = IdempotencyRule(
-        methods=honoured,
-        required=declared.required,
-        digest_headers=[n.decode("latin-1") for n in declared.rule.digest_headers],
-    )
+    rule = IdempotencyRule(methods=honoured, policy=declared.policy)
 
     def wrap(app: ASGIApp) -> ASGIApp:
-        return IdempotencyMiddleware(app, pool=pool, rules=rule, **declared.settings)
+        return IdempotencyMiddleware(
+            app, pool=pool, rules=rule, scope=declared.scope, quota=declared.quota
+        )
 
     return wrap
 

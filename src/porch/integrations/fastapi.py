@@ -24,6 +24,7 @@ import logging
 from typing import Annotated, Any
 
 from ..clock import SystemClock
+from ..idempotency._policy import IdempotencyPolicy
 from ._routes import GUARDS, RouteIdempotency, RouteLimit
 from .starlette import RateLimitExceeded, idempotent, install, limit
 
@@ -77,7 +78,11 @@ class Idempotency(RouteIdempotency):
 
     def __new__(cls, **settings: Any) -> "Idempotency":
         # The schema is read from __call__'s signature: a required key needs its own.
-        chosen = _RequiredIdempotency if settings.get("required") else cls
+        required = settings.get("required")
+        if required is None:  # as the policy says
+            policy = settings.get("policy")
+            required = isinstance(policy, IdempotencyPolicy) and policy.required
+        chosen = _RequiredIdempotency if required else cls
         return super().__new__(chosen)
 
     async def __call__(

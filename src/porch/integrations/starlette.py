@@ -35,6 +35,7 @@ from ..clock import SystemClock
 from ..errors import ConfigurationError, StoreError
 from ..idempotency._keys import ScopeFunc
 from ..idempotency._middleware import DEFAULT_QUOTA
+from ..idempotency._policy import IdempotencyPolicy
 from ..identity import KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle, Refusal, check_header_style
@@ -121,25 +122,29 @@ def limit(
 
 def idempotent(
     *,
-    required: bool = False,
+    policy: IdempotencyPolicy | None = None,
+    required: bool | None = None,
     methods: Iterable[str] | None = None,
-    digest_headers: Iterable[str] = (),
+    digest_headers: Iterable[str] | None = None,
     scope: ScopeFunc | None = None,
-    ttl: float = 86400.0,
-    wait_timeout: float = 30.0,
-    max_body: int = 1 << 20,
-    max_stored: int = 1 << 20,
+    ttl: float | None = None,
+    wait_timeout: float | None = None,
+    max_body: int | None = None,
+    max_stored: int | None = None,
     quota: Quota = DEFAULT_QUOTA,
     count_replays: bool = True,
     enabled: bool = True,
 ) -> Callable[[E], E]:
-    """Honour ``Idempotency-Key`` on an endpoint's unsafe methods (see IdempotencyMiddleware).
+    """Honour ``Idempotency-Key`` on an endpoint's unsafe methods, handled as ``policy``
+    says (an :class:`~porch.IdempotencyPolicy`; the other settings as in
+    :class:`~porch.IdempotencyMiddleware`).
 
     ``count_replays``: whether a replay counts against the route's rate limits (True:
     the limits run first, for every request; False: a replay, a 409 or a 422 answers
     before them and consumes nothing). ``enabled=False`` declares it switched off.
     """
     declaration = RouteIdempotency(
+        policy=policy,
         required=required,
         methods=methods,
         digest_headers=digest_headers,
