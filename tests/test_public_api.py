@@ -25,7 +25,9 @@ def test_public_surface_is_pinned() -> None:
             "IdempotencyRule",
             "JSONFingerprint",
             "KeyFunc",
+            "KeyInProgressError",
             "KeyPool",
+            "KeyReusedError",
             "Limit",
             "Mailbox",
             "MailboxStatistics",
@@ -52,6 +54,7 @@ def test_public_surface_is_pinned() -> None:
             "UnidentifiedCallerError",
             "__version__",
             "authorization_scope",
+            "idempotent_function",
             "open_store",
         ]
     )

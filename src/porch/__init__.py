@@ -4,6 +4,8 @@ from .clock import Clock, ManualClock, SystemClock
 from .errors import (
     ConfigurationError,
     ForwardingHeaderError,
+    KeyInProgressError,
+    KeyReusedError,
     PoolClosedError,
     PorchError,
     RateLimitExceeded,
@@ -19,6 +21,7 @@ from .idempotency import (
     JSONFingerprint,
     ScopeFunc,
     authorization_scope,
+    idempotent_function,
 )
 from .identity import ClientIdentity, KeyFunc
 from .metrics import PorchMetrics
@@ -57,7 +60,9 @@ __all__ = [
     "IdempotencyRule",
     "JSONFingerprint",
     "KeyFunc",
+    "KeyInProgressError",
     "KeyPool",
+    "KeyReusedError",
     "Limit",
     "Mailbox",
     "MailboxStatistics",
@@ -84,5 +89,6 @@ __all__ = [
     "UnidentifiedCallerError",
     "__version__",
     "authorization_scope",
+    "idempotent_function",
     "open_store",
 ]

@@ -7,6 +7,8 @@ from typing import Any
 __all__ = [
     "ConfigurationError",
     "ForwardingHeaderError",
+    "KeyInProgressError",
+    "KeyReusedError",
     "PoolClosedError",
     "PorchError",
     "RateLimitExceeded",
@@ -31,6 +33,16 @@ class ForwardingHeaderError(PorchError):
 class UnidentifiedCallerError(PorchError):
     """Raised when a keyed request has neither credentials nor a client address: no caller
     scope would be its own, so idempotency refuses it (503) rather than share one."""
+
+
+class KeyReusedError(PorchError):
+    """Raised when an idempotent function is called with a key whose stored result is for a
+    call with other arguments (HTTP's 422)."""
+
+
+class KeyInProgressError(PorchError):
+    """Raised when an idempotent function's call under a key still running elsewhere waited
+    past ``wait_timeout`` (at once with ``concurrent="conflict"``; HTTP's 409)."""
 
 
 class RateLimitExceeded(PorchError):

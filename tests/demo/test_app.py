@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -191,3 +192,29 @@ def test_demo_names_the_extra_when_the_driver_is_missing(
     monkeypatch.setitem(sys.modules, "porch.store.postgres", None)
     assert main(["demo", "--store", "postgresql://porch@127.0.0.1:5432/porch"]) == 2
     assert "pip install 'porch[postgres]'" in capsys.readouterr().err
+
+
+async def test_webhooks_process_each_event_once(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), limit=1000, checkout_latency=0.2))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        event = {"id": "evt_1", "amount": 500}
+        deliveries = await asyncio.gather(*(c.post("/webhooks", json=event) for _ in range(8)))
+        assert {d.status_code for d in deliveries} == {200}
+        first = deliveries[0].json()
+        assert set(first) == {"id", "processed_at"}
+        assert first["id"] == "evt_1"
+        assert all(d.json() == first for d in deliveries)
+        # Redelivered later, re-serialised, with no Idempotency-Key: the same answer.
+        later = await c.post("/webhooks", content=b'{"amount": 500, "id": "evt_1"}')
+        assert later.json() == first
+        assert (await c.post("/webhooks", json={"id": "evt_2", "amount": 1})).status_code == 200
+        assert (await c.get("/webhooks")).json() == {"processed": 2}
+        other = await c.post("/webhooks", json={"id": "evt_1", "amount": 501})
+        assert other.status_code == 422
+        for body in [b"[]", b'{"id": 1, "amount": 1}', b'{"id": "x", "amount": true}', b"{"]:
+            bad = await c.post("/webhooks", content=body)
+            assert bad.status_code in (400, 422), body
+            assert bad.headers["content-type"] == "application/problem+json"
+        assert (await c.get("/webhooks")).json() == {"processed": 2}
+    await app.state.pool.close()

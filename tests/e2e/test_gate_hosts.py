@@ -310,6 +310,61 @@ def test_ten_duplicates_over_two_hosts_make_one_order(demo: DemoLauncher, shared
     assert elapsed < 6.0, elapsed
 
 
+async def _deliveries(hosts: list[DemoServer], event: dict[str, Any]) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(hosts))
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, trust_env=False) as client:
+        posts = [client.post(f"{h.base_url}/webhooks", json=event) for h in hosts]
+        return list(await asyncio.gather(*posts))
+
+
+def _processed(*hosts: DemoServer) -> int:
+    """Webhook events processed on every host (each host's ``GET /webhooks``, its rows)."""
+    total = 0
+    for host in hosts:
+        response = httpx.get(f"{host.base_url}/webhooks", timeout=TIMEOUT, trust_env=False)
+        assert response.status_code == 200
+        total += int(response.json()["processed"])
+    return total
+
+
+def test_duplicate_webhook_deliveries_over_two_hosts_are_processed_once(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    # The idempotent-function API, keyed by the event's id (no Idempotency-Key), across hosts.
+    a, b = two_hosts(demo, shared, checkout_latency=1.0)
+    events = [{"id": f"evt-{i}", "amount": 100 + i} for i in range(3)]
+    for event in events:
+        responses = asyncio.run(_deliveries([a, b] * 4, event))
+        assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+        assert len({r.content for r in responses}) == 1  # one body for every delivery
+        assert responses[0].json()["id"] == event["id"]
+    assert _processed(a, b) == 3
+
+
+@pytest.mark.slow
+def test_a_webhook_processor_killed_mid_event_is_taken_over(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    a, b = two_hosts(demo, shared, checkout_latency=2.0)
+    event = {"id": "evt-killed", "amount": 7}
+
+    async def first_then_kill() -> None:
+        async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+            owner = asyncio.create_task(client.post(f"{a.base_url}/webhooks", json=event))
+            await _claimed(shared, "a is processing the event, holding its key")
+            a.kill()
+            with pytest.raises(httpx.HTTPError):
+                await owner
+
+    asyncio.run(first_then_kill())
+    served = httpx.post(f"{b.base_url}/webhooks", json=event, timeout=TIMEOUT, trust_env=False)
+    assert served.status_code == 200, served.text
+    a.restart()
+    again = httpx.post(f"{a.base_url}/webhooks", json=event, timeout=TIMEOUT, trust_env=False)
+    assert again.content == served.content
+    assert _processed(a, b) == 1  # a was killed before its row; b processed it once
+
+
 @pytest.mark.slow
 def test_an_owner_killed_mid_checkout_is_taken_over_and_replayed(
     demo: DemoLauncher, shared: Shared

@@ -403,10 +403,28 @@ def test_replay_is_byte_identical_and_runs_nothing(demo: DemoLauncher) -> None:
 # -- 7. a reused key with a different request is refused: 422, handler not run ---------------
 
 
+def test_reserialised_json_is_a_replay(demo: DemoLauncher) -> None:
+    # Catches: a digest over the body's bytes where the demo promises JSON (issue 29): a
+    # client that re-serialises its order on retry got 422 and no order.
+    server = demo.start(limit=BIG_LIMIT, window=60)
+    first = post(server.base_url, "/orders", order("chair", 2), keyed("json-1"))
+    assert first.status_code == 201, first.text
+    for other in [
+        b'{"qty": 2, "item": "chair"}',
+        b'{\n  "item" : "chair",\n  "qty" : 2\n}\n',
+        b'{"item":"\\u0063hair","qty":2.0}',
+    ]:
+        check_replay(post(server.base_url, "/orders", other, keyed("json-1")), first)
+    check_problem(post(server.base_url, "/orders", order("chair", 3), keyed("json-1")), 422)
+    assert orders_count(server) == 1
+
+
 def test_reused_key_with_different_request_is_refused(demo: DemoLauncher) -> None:
     # Catches: a digest that is not compared (a replay of the wrong response, or a second
-    # execution), a digest that leaves out the query string or compares parsed JSON
-    # instead of bytes, and a refusal that overwrites or deletes the stored response.
+    # execution), a digest that leaves out the query string, a JSON comparison that lets
+    # another value or a body that is no JSON through, and a refusal that overwrites or
+    # deletes the stored response. (The demo compares orders as JSON: a re-serialised
+    # order is a replay, test_reserialised_json_is_a_replay.)
     server = demo.start(limit=BIG_LIMIT, window=60)
     body = order("chair", 1)
     first = post(server.base_url, "/orders", body, keyed("order-7"))
@@ -417,9 +435,10 @@ def test_reused_key_with_different_request_is_refused(demo: DemoLauncher) -> Non
     different = [
         ("/orders", order("chair", 2)),  # another quantity
         ("/orders", order("lamp", 1)),  # another item
-        ("/orders", b'{"item": "chair", "qty": 1}'),  # same JSON, other bytes
+        ("/orders", b'{"item": "chair", "qty": "1"}'),  # a string is not a number
+        ("/orders", b'{"item": "chair", "qty": 1, "qty": 1}'),  # a repeated key: bytes
         ("/orders?coupon=1", body),  # same body, another query string
-        ("/orders?", body + b" "),  # trailing byte
+        ("/orders?", body + b"x"),  # trailing byte: no JSON any more
     ]
     for path, other in different:
         refused = post(server.base_url, path, other, keyed("order-7"))

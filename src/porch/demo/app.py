@@ -40,6 +40,7 @@ from .checks import (
 )
 from .config import DemoConfig
 from .orders import Orders
+from .webhooks import webhook_routes
 
 __all__ = ["PRODUCTS", "create_app", "create_app_from_env"]
 
@@ -120,6 +121,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     pool = KeyPool(
         config.open_store(), size=config.pool_size, mailbox=config.mailbox, metrics=metrics
     )
+    app.router.routes.extend(webhook_routes(pool, orders, config))
     # One identity for both: an anonymous caller's keys are scoped to the client the
     # limiter counts, so no two clients see each other's keys.
     identity = ClientIdentity(trust_hops=config.trust_proxy_hops)

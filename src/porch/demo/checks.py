@@ -25,6 +25,7 @@ __all__ = [
     "BodyCap",
     "TooLarge",
     "page_args",
+    "parse_event",
     "parse_order",
     "problem_response",
     "read_capped",
@@ -43,6 +44,7 @@ DEFAULT_PAGE = 100
 
 _TITLES = {
     400: "Bad Request",
+    409: "Conflict",
     413: "Content Too Large",
     422: "Unprocessable Content",
     503: "Service Unavailable",
@@ -104,6 +106,29 @@ def parse_order(body: bytes) -> tuple[str, int] | JSONResponse:
     if isinstance(qty, bool) or not isinstance(qty, int) or not 1 <= qty <= MAX_QTY:
         return problem_response(422, f"'qty' must be an integer from 1 to {MAX_QTY}")
     return item, qty
+
+
+MAX_EVENT_ID = 255
+
+
+def parse_event(body: bytes) -> tuple[str, int] | JSONResponse:
+    """A webhook event's ``(id, amount)``, or the 400/422 problem that refuses it."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return problem_response(400, "body must be a JSON object")
+    if not isinstance(payload, dict):
+        return problem_response(400, "body must be a JSON object")
+    event_id, amount = payload.get("id"), payload.get("amount")
+    if not isinstance(event_id, str) or not 1 <= len(event_id) <= MAX_EVENT_ID:
+        return problem_response(422, f"'id' must be a string of 1-{MAX_EVENT_ID} characters")
+    try:
+        event_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return problem_response(422, "'id' must be valid Unicode text (no lone surrogates)")
+    if isinstance(amount, bool) or not isinstance(amount, int) or abs(amount) >= 2**63:
+        return problem_response(422, "'amount' must be a 64-bit integer")
+    return event_id, amount
 
 
 def page_args(query: str) -> tuple[int, int] | JSONResponse:

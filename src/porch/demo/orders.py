@@ -35,12 +35,38 @@ class Orders:
                 "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT,"
                 " item TEXT NOT NULL, qty INTEGER NOT NULL)"
             )
+            # One row per processing of a webhook event: no unique event id, so a second
+            # processing of one event would show as a second row, never be hidden.
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS webhooks (row INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " event TEXT NOT NULL, amount INTEGER NOT NULL, processed_at TEXT NOT NULL)"
+            )
             self._local.conn = conn
         return conn
 
     def _insert(self, item: str, qty: int) -> int:
         cur = self._conn().execute("INSERT INTO orders (item, qty) VALUES (?, ?)", (item, qty))
         return int(cur.lastrowid or 0)
+
+    def _record_event(self, event: str, amount: int, processed_at: str) -> None:
+        self._conn().execute(
+            "INSERT INTO webhooks (event, amount, processed_at) VALUES (?, ?, ?)",
+            (event, amount, processed_at),
+        )
+
+    def _events(self) -> int:
+        (count,) = self._conn().execute("SELECT COUNT(*) FROM webhooks").fetchone()
+        return int(count)
+
+    async def record_event(self, event: str, amount: int, processed_at: str) -> None:
+        """One processing of a webhook event, as a row."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._record_event, event, amount, processed_at
+        )
+
+    async def events(self) -> int:
+        """How many webhook events this host processed: its rows."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._events)
 
     def _page(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
         conn = self._conn()

@@ -5,6 +5,7 @@ the key pool and the store, runs the handler once, stores its response and
 replays it byte for byte to every duplicate; :class:`CallerScope` keeps one
 caller's keys apart from another's. An :class:`IdempotencyPolicy` per rule says how
 (lifetime, stored statuses, waiting or 409, the fingerprint: see ``_fingerprints``).
+:func:`idempotent_function` gives jobs and webhook consumers the same guarantee.
 """
 
 from ._fingerprints import (
@@ -14,6 +15,7 @@ from ._fingerprints import (
     FunctionFingerprint,
     JSONFingerprint,
 )
+from ._functions import Codec, IdempotentFunction, JSONCodec, idempotent_function
 from ._keys import CallerScope, ScopeFunc, authorization_scope
 from ._middleware import IdempotencyMiddleware
 from ._policy import Concurrent, IdempotencyPolicy
@@ -22,6 +24,7 @@ from ._rules import IdempotencyRule
 __all__ = [
     "BodyBytes",
     "CallerScope",
+    "Codec",
     "Concurrent",
     "Fingerprint",
     "FingerprintFunc",
@@ -29,7 +32,10 @@ __all__ = [
     "IdempotencyMiddleware",
     "IdempotencyPolicy",
     "IdempotencyRule",
+    "IdempotentFunction",
+    "JSONCodec",
     "JSONFingerprint",
     "ScopeFunc",
     "authorization_scope",
+    "idempotent_function",
 ]
