@@ -218,3 +218,37 @@ async def test_webhooks_process_each_event_once(tmp_path: Path) -> None:
             assert bad.headers["content-type"] == "application/problem+json"
         assert (await c.get("/webhooks")).json() == {"processed": 2}
     await app.state.pool.close()
+
+
+async def test_exports_up_to_max_stored_are_stored_and_replayed(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), limit=1000, max_stored=3 << 20))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        key = {"Idempotency-Key": "export-1"}
+        first = await c.post("/exports", json={"size": (2 << 20) + 7}, headers=key)
+        again = await c.post("/exports", json={"size": (2 << 20) + 7}, headers=key)
+        big = {"Idempotency-Key": "export-2"}
+        over = await c.post("/exports", json={"size": 4 << 20}, headers=big)
+        rerun = await c.post("/exports", json={"size": 4 << 20}, headers=big)
+        refused = [
+            await c.post("/exports", json={"size": size}) for size in (-1, (100 << 20) + 1, "1")
+        ]
+    await app.state.pool.close()
+    assert first.status_code == again.status_code == 201
+    assert first.headers["content-type"] == "application/octet-stream"
+    assert len(first.content) == (2 << 20) + 7
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert again.headers["location"] == first.headers["location"]
+    # Over --max-stored: sent whole, not stored; its retry runs again (other bytes).
+    assert len(over.content) == len(rerun.content) == 4 << 20
+    assert "idempotent-replayed" not in rerun.headers
+    assert rerun.content != over.content
+    assert [r.status_code for r in refused] == [422, 422, 422]
+
+
+def test_demo_quota_holds_two_of_the_largest_responses() -> None:
+    from porch.demo.exports import quota_bytes
+
+    assert quota_bytes(1 << 20, 8 << 20) == 8 << 20  # the default stays
+    assert quota_bytes(100 << 20, 8 << 20) >= 2 * (100 << 20)

@@ -21,13 +21,14 @@ from starlette.routing import Route
 from .._asgi import adding_headers
 from .._types import ASGIApp, Receive, Scope, Send
 from ..idempotency._keys import CallerScope
-from ..idempotency._middleware import IdempotencyMiddleware, IdempotencyRule
+from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
 from ..idempotency._policy import IdempotencyPolicy
 from ..identity import ClientIdentity
 from ..metrics import PorchMetrics
 from ..pool._pool import KeyPool
 from ..ratelimit._middleware import RateLimitMiddleware
 from ..ratelimit._rules import Limit, Rule
+from ..store.base import Quota
 from .checks import (
     MAX_BODY,
     BodyCap,
@@ -39,6 +40,7 @@ from .checks import (
     unavailable,
 )
 from .config import DemoConfig
+from .exports import export_route, quota_bytes
 from .orders import Orders
 from .webhooks import webhook_routes
 
@@ -122,20 +124,26 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         config.open_store(), size=config.pool_size, mailbox=config.mailbox, metrics=metrics
     )
     app.router.routes.extend(webhook_routes(pool, orders, config))
+    app.router.routes.append(export_route())
     # One identity for both: an anonymous caller's keys are scoped to the client the
     # limiter counts, so no two clients see each other's keys.
     identity = ClientIdentity(trust_hops=config.trust_proxy_hops)
     # Starlette wraps the last-added middleware outermost: the limiter sees every
     # request first (replays count too), then idempotency guards checkout.
+    policy = IdempotencyPolicy(max_body=MAX_BODY, max_stored=config.max_stored)
     app.add_middleware(
         IdempotencyMiddleware,
         pool=pool,
-        # An order is JSON: a retry that re-serialises it (other key order, other
-        # whitespace) is the same order; another value is still a 422.
-        rules=IdempotencyRule(
-            "/orders",
-            methods=["POST"],
-            policy=IdempotencyPolicy(fingerprint="json", max_body=MAX_BODY),
+        rules=[
+            # An order is JSON: a retry that re-serialises it (other key order, other
+            # whitespace) is the same order; another value is still a 422.
+            IdempotencyRule("/orders", methods=["POST"], policy=policy.replace(fingerprint="json")),
+            IdempotencyRule("/exports", methods=["POST"], policy=policy),
+        ],
+        # A caller may keep at least two of the largest responses stored.
+        quota=Quota(
+            scope_bytes=quota_bytes(config.max_stored, DEFAULT_QUOTA.scope_bytes),
+            total_bytes=max(DEFAULT_QUOTA.total_bytes, 4 * quota_bytes(config.max_stored, 0)),
         ),
         scope=CallerScope(identity=identity),
     )

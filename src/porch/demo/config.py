@@ -28,6 +28,7 @@ class DemoConfig:
     pool_size: int | None = None  # None: the store's own shard count (KeyPool)
     mailbox: int = 1024
     checkout_latency: float = 0.0
+    max_stored: int = 1 << 20  # the largest response stored for replay (IdempotencyPolicy)
     trust_proxy_hops: int = 0
     workers: int = 1
     uds: str | None = None  # a unix socket to listen on, instead of host and port
@@ -42,6 +43,8 @@ class DemoConfig:
             raise ConfigurationError(
                 f"--checkout-latency must be >= 0, got {self.checkout_latency}"
             )
+        if self.max_stored < 0:
+            raise ConfigurationError(f"--max-stored must be >= 0 bytes, got {self.max_stored}")
         if self.trust_proxy_hops < 0:
             raise ConfigurationError(
                 f"--trust-proxy-hops must be >= 0, got {self.trust_proxy_hops}"

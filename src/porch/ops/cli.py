@@ -67,6 +67,13 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="simulated payment-provider delay inside POST /orders, seconds",
     )
     p.add_argument(
+        "--max-stored",
+        type=int,
+        default=1 << 20,
+        metavar="BYTES",
+        help="the largest response stored for replay (POST /exports answers up to 100 MiB)",
+    )
+    p.add_argument(
         "--trust-proxy-hops",
         type=int,
         default=0,
@@ -132,6 +139,7 @@ def _demo(args: argparse.Namespace) -> int:
             pool_size=args.pool_size,
             mailbox=args.mailbox,
             checkout_latency=args.checkout_latency,
+            max_stored=args.max_stored,
             trust_proxy_hops=args.trust_proxy_hops,
             workers=args.workers,
             worker_header=args.worker_header,
