@@ -166,11 +166,19 @@ class IdempotentFunction(Generic[P, R]):
             return self._answer(outcome)
         try:
             result = await cast(Callable[..., Awaitable[Any]], self.func)(*args, **kwargs)
-            body = self.codec.encode(result)
+            body, value = self._encoded(result)
         except BaseException:
             self._release(key, acquire.token, shard)  # nothing stored: the next call runs
             raise
-        return await self._save(key, acquire.token, shard, digest, body)
+        await self._save(key, acquire.token, shard, digest, body)
+        return value
+
+    def _encoded(self, result: Any) -> tuple[bytes, Any]:
+        """The result as stored, and as every caller gets it (the first one too)."""
+        body = self.codec.encode(result)
+        if not isinstance(body, bytes):
+            raise TypeError(f"{self.name}: the codec must encode to bytes, got {type(body)}")
+        return body, self.codec.decode(body)
 
     async def _acquire(self, key: str, digest: bytes) -> tuple[Outcome, Acquire, int]:
         pool = self.pool
@@ -216,8 +224,9 @@ class IdempotentFunction(Generic[P, R]):
             done.set_exception(exc)
         return done
 
-    async def _save(self, key: str, token: int, shard: int, digest: bytes, body: bytes) -> Any:
-        value = self.codec.decode(body)  # every caller gets the same value, the first too
+    async def _save(self, key: str, token: int, shard: int, digest: bytes, body: bytes) -> None:
+        """Store the result (ends the claim); a failure to store is logged, not raised: the
+        work is done, and its caller gets its result."""
         if len(body) > self.policy.max_stored:
             logger.warning(
                 "porch: %s's result over max_stored=%d bytes was not stored; key released",
@@ -225,17 +234,16 @@ class IdempotentFunction(Generic[P, R]):
                 self.policy.max_stored,
             )
             self._release(key, token, shard)
-            return value
+            return
         stored = StoredResponse(digest, 200, ((b"content-type", self.codec.media_type),), body)
         try:
             outcome = await self._report(key, token, shard, stored)
         except Exception as exc:
             # The work is done: return its result, but say that a retry will run it again.
             logger.error("porch: could not store %s's result for replay: %s", self.name, exc)
-            return value
+            return
         if outcome != "saved":
             logger.error("porch: %s's result was not stored (%s)", self.name, outcome)
-        return value
 
     # The sync path: the pool runs on a background loop; the function on the caller's thread.
 
@@ -251,13 +259,14 @@ class IdempotentFunction(Generic[P, R]):
             return self._answer(outcome)
         try:
             result = self.func(*args, **kwargs)
-            body = self.codec.encode(result)
+            body, value = self._encoded(result)
         except BaseException:
             loop.call_soon_threadsafe(self._release, key, acquire.token, shard)
             raise
-        return asyncio.run_coroutine_threadsafe(
+        asyncio.run_coroutine_threadsafe(
             self._save(key, acquire.token, shard, digest, body), loop
         ).result(bound)
+        return value
 
     def _background(self) -> asyncio.AbstractEventLoop:
         from ..integrations.wsgi._loop import BackgroundLoop

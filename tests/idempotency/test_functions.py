@@ -1,0 +1,103 @@
+"""idempotent_function's own settings and edges (its guarantees on every backend are in
+tests/store/conformance/test_functions.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from porch import ConfigurationError, KeyPool, SQLiteStore, idempotent_function
+from porch.idempotency import JSONCodec
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
+    p = KeyPool(SQLiteStore(tmp_path))
+    yield p
+    await p.close()
+
+
+async def test_a_result_the_codec_cannot_store_raises_and_stores_nothing(pool: KeyPool) -> None:
+    results: list[Any] = [{1, 2}, [1, 2]]  # a set is no JSON
+
+    @idempotent_function(pool, key="job")
+    async def run(job: str) -> Any:
+        return results.pop(0)
+
+    with pytest.raises(TypeError):
+        await run("j")
+    assert await asyncio.wait_for(run("j"), 10) == [1, 2]  # the key was released
+    assert await run("j") == [1, 2]
+    assert results == []
+
+
+async def test_keys_from_arguments_and_every_caller_gets_the_decoded_result(
+    pool: KeyPool,
+) -> None:
+    runs: list[tuple[Any, ...]] = []
+
+    @idempotent_function(pool)  # no key: the arguments' digest
+    async def total(items: tuple[int, ...], *, tax: int = 0) -> Any:
+        runs.append(items)
+        return {"items": items, "total": sum(items) + tax}
+
+    first = await total((1, 2), tax=1)
+    assert first == {"items": [1, 2], "total": 4}  # as stored: a tuple comes back a list
+    assert await total((1, 2), tax=1) == first
+    assert await total((1, 2)) == {"items": [1, 2], "total": 3}  # other arguments, other key
+    assert runs == [(1, 2), (1, 2)]
+    with pytest.raises(TypeError, match="not JSON"):
+        await total(({1},))  # type: ignore[arg-type]
+
+
+async def test_a_custom_codec(pool: KeyPool) -> None:
+    class Text(JSONCodec):
+        media_type = b"text/plain"
+
+        def encode(self, value: Any) -> bytes:
+            return str(value).encode()
+
+        def decode(self, data: bytes) -> Any:
+            return data.decode()
+
+    @idempotent_function(pool, key="n", codec=Text())
+    async def square(n: int) -> Any:  # the codec makes it text
+        return n * n
+
+    assert await square(7) == "49"
+    assert await square(7) == "49"
+
+
+def test_configuration(tmp_path: Path) -> None:
+    pool = KeyPool(SQLiteStore(tmp_path))
+
+    async def f(x: str) -> str:
+        return x
+
+    with pytest.raises(ConfigurationError, match="pool must be a porch KeyPool"):
+        idempotent_function(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="key 'y' is no parameter"):
+        idempotent_function(pool, key="y")(f)
+    with pytest.raises(ConfigurationError, match="policy must be an IdempotencyPolicy"):
+        idempotent_function(pool, policy={"ttl": 1})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="name must be 1-128 characters"):
+        idempotent_function(pool, name="")(f)
+    with pytest.raises(ConfigurationError, match="fingerprint must be 'json'"):
+        idempotent_function(pool, fingerprint="bytes")(f)
+    assert idempotent_function(pool)(f).name.endswith("test_configuration.<locals>.f")
+
+
+async def test_a_key_must_be_a_short_string(pool: KeyPool) -> None:
+    @idempotent_function(pool, key=lambda x: x)
+    async def f(x: Any) -> Any:
+        return x
+
+    for bad in ["", "x" * 256, 5]:
+        with pytest.raises(ValueError, match="an idempotency key must be a str"):
+            await f(bad)
