@@ -12,7 +12,7 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from porch import ConfigurationError, KeyPool, SQLiteStore
+from porch import ConfigurationError, IdempotencyPolicy, KeyPool, SQLiteStore
 from porch.integrations.fastapi import (
     Idempotency,
     RateLimit,
@@ -484,3 +484,31 @@ async def test_a_route_limit_exempts_by_predicate(pool: KeyPool) -> None:
         others = await statuses(c, "/reports", 2)
     assert staffed == [200, 200]
     assert others == [200, 429]
+
+
+async def test_a_dependency_takes_a_policy(pool: KeyPool) -> None:
+    app = FastAPI()
+    runs: list[dict[str, Any]] = []
+    policy = IdempotencyPolicy(required=True, fingerprint="json", statuses=[201])
+
+    @app.post("/charges", status_code=201, dependencies=[Depends(Idempotency(policy=policy))])
+    async def charge(body: dict[str, Any]) -> dict[str, Any]:
+        runs.append(body)
+        return {"charge": len(runs)}
+
+    install(app, pool)
+    async with client(app) as c:
+        missing = await c.post("/charges", json={"a": 1})
+        first = await c.post("/charges", content=b'{"a":1,"b":2}', headers=_json("c1"))
+        again = await c.post("/charges", content=b'{ "b": 2, "a": 1 }', headers=_json("c1"))
+        schema = (await c.get("/openapi.json")).json()
+    assert missing.status_code == 400  # required, as the policy says
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert runs == [{"a": 1, "b": 2}]
+    [key] = schema["paths"]["/charges"]["post"]["parameters"]
+    assert (key["name"], key["required"]) == ("Idempotency-Key", True)
+
+
+def _json(key: str) -> dict[str, str]:
+    return {"Idempotency-Key": key, "Content-Type": "application/json"}
