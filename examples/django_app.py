@@ -4,7 +4,8 @@ One file for brevity (settings, URLs, views); in a project the two entry points
 go into your wsgi.py / asgi.py. Idempotency keys are scoped to the API key's user.
 
 Run: gunicorn --workers 2 examples.django_app:wsgi_app           (WSGI, sync workers)
-     uvicorn examples.django_app:asgi_app --no-proxy-headers --lifespan off   (ASGI)
+     uvicorn examples.django_app:asgi_app --no-proxy-headers   (ASGI; porch answers the lifespan
+     for Django, which has none, and closes its pool when the server stops)
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Flask behind porch (WSGI): a rate-limited page and idempotent orders, scoped to the user.
 
+porch is a Flask extension configured from app.config (porch.integrations.flask); the pool
+opens at each worker's first request and closes at the worker's exit.
+
 Run: gunicorn --workers 2 examples.flask_app:app   (sync workers share the store's counts)
 """
 
@@ -14,17 +17,8 @@ from typing import Any
 
 from flask import Flask, jsonify, request
 
-from porch import (
-    CallerScope,
-    IdempotencyMiddleware,
-    IdempotencyRule,
-    KeyPool,
-    Limit,
-    RateLimitMiddleware,
-    Rule,
-    SQLiteStore,
-)
-from porch.integrations.wsgi import WSGIMiddleware
+from porch import CallerScope, IdempotencyRule, Limit, Rule
+from porch.integrations.flask import Porch
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids
@@ -66,13 +60,12 @@ def create_order() -> Any:
     return jsonify(order=order, user=user, receipt=uuid.uuid4().hex), 201
 
 
-pool = KeyPool(SQLiteStore(DATA))
-app.wsgi_app = WSGIMiddleware(  # type: ignore[method-assign]
-    app.wsgi_app,
-    pool=pool,
-    wrap=lambda inner: RateLimitMiddleware(
-        IdempotencyMiddleware(inner, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope),
-        pool=pool,
-        rules=Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello"),
-    ),
+app.config.update(
+    PORCH_DATA_DIR=str(DATA),
+    PORCH_RULES=[
+        Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello")
+    ],
+    PORCH_IDEMPOTENCY=[IdempotencyRule("/orders")],
+    PORCH_IDEMPOTENCY_OPTIONS={"scope": user_scope},
 )
+porch = Porch(app)

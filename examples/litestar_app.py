@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Litestar, Request, get, post
-from litestar.middleware import DefineMiddleware
 
 from porch import (
     CallerScope,
@@ -25,6 +24,7 @@ from porch import (
     Rule,
     SQLiteStore,
 )
+from porch.integrations.litestar import PorchPlugin
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids
@@ -67,18 +67,19 @@ async def create_order(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 pool = KeyPool(SQLiteStore(DATA))
 hello_limit = int(os.environ.get("HELLO_LIMIT", "5"))
+
+
+def porch_guard(app: Any) -> Any:
+    """Limit, then idempotency, around the app's routes."""
+    return RateLimitMiddleware(
+        IdempotencyMiddleware(app, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope),
+        pool=pool,
+        rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
+    )
+
+
+# Litestar keeps lifespan to itself: the plugin opens the pool at startup, closes it at
+# shutdown, and adds the middlewares.
 app = Litestar(
-    route_handlers=[hello, health, create_order],
-    # The first listed runs first: limit, then idempotency.
-    middleware=[
-        DefineMiddleware(
-            RateLimitMiddleware,
-            pool=pool,
-            rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
-        ),
-        DefineMiddleware(
-            IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
-        ),
-    ],
-    on_shutdown=[pool.close],  # Litestar keeps lifespan to itself: close the pool here
+    route_handlers=[hello, health, create_order], plugins=[PorchPlugin(pool, wrap=porch_guard)]
 )

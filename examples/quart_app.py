@@ -14,16 +14,8 @@ from typing import Any
 
 from quart import Quart, request
 
-from porch import (
-    CallerScope,
-    IdempotencyMiddleware,
-    IdempotencyRule,
-    KeyPool,
-    Limit,
-    RateLimitMiddleware,
-    Rule,
-    SQLiteStore,
-)
+from porch import CallerScope, IdempotencyRule, Limit, Rule
+from porch.integrations.quart import Porch
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids
@@ -67,12 +59,14 @@ async def create_order() -> tuple[dict[str, Any], int]:
     return {"order": order, "user": user, "receipt": uuid.uuid4().hex}, 201
 
 
-pool = KeyPool(SQLiteStore(DATA))
-# Quart's idiom for ASGI middleware: wrap app.asgi_app (lifespan opens and closes the pool).
-app.asgi_app = RateLimitMiddleware(  # type: ignore[method-assign]
-    IdempotencyMiddleware(
-        app.asgi_app, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
-    ),
-    pool=pool,
-    rules=Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello"),
+# porch as a Quart extension, configured from app.config: the pool opens before the app
+# serves and closes after it.
+app.config.update(
+    PORCH_DATA_DIR=str(DATA),
+    PORCH_RULES=[
+        Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello")
+    ],
+    PORCH_IDEMPOTENCY=[IdempotencyRule("/orders")],
+    PORCH_IDEMPOTENCY_OPTIONS={"scope": user_scope},
 )
+porch = Porch(app)

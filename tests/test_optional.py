@@ -54,3 +54,21 @@ def test_library_extras_raise_configuration_errors(missing: str, code: str, extr
 def test_wsgi_needs_no_framework() -> None:
     done = run_without("starlette", ["x"], "import porch.integrations.wsgi; print('ok')")
     assert done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("missing", "module", "extra"),
+    [
+        ("fastapi", "fastapi", "fastapi"),
+        ("starlette", "fastapi", "fastapi"),  # FastAPI needs Starlette: its extra brings both
+        ("starlette", "starlette", "starlette"),
+        ("litestar", "litestar", "litestar"),
+        ("quart", "quart", "quart"),
+        ("flask", "flask", "flask"),
+    ],
+)
+def test_each_integration_names_its_extra(missing: str, module: str, extra: str) -> None:
+    done = run_without(missing, ["x"], f"import porch.integrations.{module}")
+    assert done.returncode == 1
+    assert f"porch.integrations.{module} needs" in done.stderr
+    assert f"pip install 'porch[{extra}]'" in done.stderr

@@ -90,6 +90,61 @@ async def pass_through(
 ) -> None:
     """A non-http scope goes straight to the app; lifespan also opens and closes the pool."""
     if scope["type"] == "lifespan":
-        await app(scope, receive, lifespan_send(send, pool))
+        await _lifespan(app, pool, scope, receive, send)
     else:
         await app(scope, receive, send)
+
+
+async def _lifespan(
+    app: ASGIApp, pool: KeyPool, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """The app's lifespan, with the pool opened at startup and closed at shutdown.
+
+    An app that does not speak lifespan (Django's ASGI handler raises on it) fails before
+    it answers anything: porch answers the lifespan itself then, for its pool, as a server
+    in ``--lifespan auto`` would have gone on without one — so the pool still closes when
+    the server stops, instead of never (a server that re-raises its SIGTERM ends the
+    process before any other clean-up could run).
+    """
+    received: list[Message] = []
+    answered = False
+
+    async def recording_receive() -> Message:
+        message = await receive()
+        received.append(message)
+        return message
+
+    opening = lifespan_send(send, pool)
+
+    async def recording_send(message: Message) -> None:
+        nonlocal answered
+        answered = True
+        await opening(message)
+
+    try:
+        await app(scope, recording_receive, recording_send)
+    except Exception as exc:
+        if answered:
+            raise
+        logger.info(
+            "porch: the app does not support the ASGI lifespan (%r); porch opens and closes"
+            " its pool with the server's lifespan",
+            exc,
+        )
+        await _own_lifespan(pool, received, receive, send)
+
+
+async def _own_lifespan(
+    pool: KeyPool, received: list[Message], receive: Receive, send: Send
+) -> None:
+    """Answer the lifespan for an app without one: startup opens the pool, shutdown closes it.
+    ``received`` holds what the app took from ``receive`` before it failed."""
+    opening = lifespan_send(send, pool)
+    while True:
+        message = received.pop(0) if received else await receive()
+        kind = message["type"]
+        if kind == "lifespan.startup":
+            await opening({"type": "lifespan.startup.complete"})
+        elif kind == "lifespan.shutdown":
+            await opening({"type": "lifespan.shutdown.complete"})
+            return

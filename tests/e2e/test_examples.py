@@ -53,7 +53,6 @@ EXAMPLES = [
 
 def command(example: Example, port: int) -> list[str]:
     if example.server == "uvicorn":
-        extra = ["--lifespan", "off"] if example.name == "django-asgi" else []
         return [
             sys.executable,
             "-m",
@@ -64,7 +63,6 @@ def command(example: Example, port: int) -> list[str]:
             "--port",
             str(port),
             "--no-proxy-headers",
-            *extra,
         ]
     return [
         sys.executable,
@@ -171,14 +169,9 @@ def test_example(example: Example, tmp_path: Path) -> None:
         # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly.
         assert process.wait(30) in (0, -signal.SIGTERM)
     log = (tmp_path / "server.log").read_text()
-    if example.server == "uvicorn" and example.name != "django-asgi":
-        # The process closed its store at lifespan shutdown: closing the last connection
-        # removes the WAL. (Django has no lifespan: its pool is never closed.) Not asserted
-        # for gunicorn's two workers: SQLite removes the WAL only when the connection
-        # closing is the file's only one, so two workers told to stop at once and closing
-        # at the same moment may each see the other and both leave it (1 run in 25 under
-        # load); a leftover WAL is recovered at the next open. What their log shows of
-        # their exit is checked below: no "Task was destroyed", no traceback.
-        assert not (tmp_path / "porch.sqlite3-wal").exists()
+    # Every process closed its store (lifespan, Litestar's plugin, Quart's extension, the
+    # end of the event loop for Django without lifespan, the exit of each gunicorn worker
+    # for WSGI): closing the file's last connection removes the WAL.
+    assert not (tmp_path / "porch.sqlite3-wal").exists(), log[-3000:]
     assert "Task was destroyed" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from porch._types import Message, Receive, Scope, Send
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from porch.pool._pool import Call, KeyPool, Shard
 from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
@@ -194,3 +195,37 @@ async def test_a_failing_call_does_not_kill_its_shard() -> None:
         good = HitCall(Hit(["k"], [1], [1.0]))
         pool.submit("k", good)
         assert (await good.future).allowed
+
+
+def test_a_pool_left_open_closes_with_its_event_loop(tmp_path: Path) -> None:
+    """A server without lifespan never closes the pool: its loop's end does (asyncio.run
+    cancels every task left, the pool's keeper too, which closes the store)."""
+    import threading
+
+    from porch import Limit, RateLimitMiddleware, Rule
+
+    pool = KeyPool(SQLiteStore(tmp_path))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def serve_one_request() -> list[Message]:
+        limited = RateLimitMiddleware(app, pool=pool, rules=Rule(Limit(5, 60)))
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        async def receive() -> Message:
+            return {"type": "http.request"}
+
+        scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "client": ("1", 1)}
+        await limited(scope, receive, send)  # opens the pool: no lifespan here
+        assert (tmp_path / "porch.sqlite3-wal").exists()
+        return sent
+
+    sent = asyncio.run(serve_one_request())
+    assert sent[0]["status"] == 204
+    assert not (tmp_path / "porch.sqlite3-wal").exists()  # the store was closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("porch-sqlite")]

@@ -492,3 +492,31 @@ def test_route_path_is_path_less_root_path(path: str, root_path: str, expected: 
     from porch._asgi import route_path
 
     assert route_path({"path": path, "root_path": root_path}) == expected
+
+
+async def test_porch_answers_the_lifespan_for_an_app_without_one(tmp_path: Path) -> None:
+    """Django's ASGI handler raises on a lifespan scope: porch answers it for its pool, so the
+    pool opens at startup and closes when the server stops."""
+
+    async def django_like(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}")
+        await hello(scope, receive, send)
+
+    pool = KeyPool(SQLiteStore(tmp_path))
+    app = RateLimitMiddleware(django_like, pool=pool, rules=Rule(Limit(3, 60)))
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    sent: list[str] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message["type"])
+
+    serving = asyncio.create_task(app({"type": "lifespan"}, inbox.get, send))
+    await inbox.put({"type": "lifespan.startup"})
+    await until(lambda: sent == ["lifespan.startup.complete"])
+    assert pool.started
+    await inbox.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(serving, 10)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert not pool.started
+    assert not (tmp_path / "porch.sqlite3-wal").exists()

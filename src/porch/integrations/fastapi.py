@@ -23,17 +23,18 @@ than let the request through unlimited. The decorators of
 import logging
 from typing import Annotated, Any
 
-from ..clock import SystemClock
-from ..idempotency._policy import IdempotencyPolicy
-from ._routes import GUARDS, RouteIdempotency, RouteLimit
-from .starlette import RateLimitExceeded, idempotent, install, limit
-
 try:
+    # First: without FastAPI (and so without Starlette) the message names this extra.
     from fastapi import Header, HTTPException, Request
 except ImportError as exc:  # pragma: no cover - exercised without fastapi installed
     raise ImportError(
         "porch.integrations.fastapi needs FastAPI: pip install 'porch[fastapi]'"
     ) from exc
+
+from ..clock import SystemClock
+from ..idempotency._policy import IdempotencyPolicy
+from ._routes import GUARDS, RouteIdempotency, RouteLimit
+from .starlette import RateLimitExceeded, idempotent, install, limit
 
 __all__ = ["Idempotency", "RateLimit", "RateLimitExceeded", "idempotent", "install", "limit"]
 

@@ -73,6 +73,7 @@ class KeyPool:
 
     __slots__ = (
         "_failed",
+        "_keeper",
         "_lock",
         "_loop",
         "_now",
@@ -116,6 +117,8 @@ class KeyPool:
         self._pace = Pace()
         self._shards = tuple(Shard(i, mailbox, store, metrics, self._pace) for i in range(size))
         self._started = False
+        # The task that closes the pool when its loop is torn down with the pool open.
+        self._keeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the actors run on
         self._pid = 0  # the process they run in
         # One start-up lock per loop: an asyncio.Lock binds to the loop it first waits on.
@@ -180,6 +183,7 @@ class KeyPool:
             self._loop = loop
             self._pid = os.getpid()
             self._started = True
+            self._keeper = loop.create_task(self._close_with_loop(), name="porch-pool-keeper")
 
     async def _leave_stopped_loop(self) -> None:
         """The actors' loop is not the running one: abandon them, if that loop has stopped."""
@@ -192,6 +196,7 @@ class KeyPool:
             )
         logger.debug("porch: the key pool's event loop stopped; restarting on this one")
         self._started = False
+        self._keeper = None  # a task of the stopped loop
         closed = PoolClosedError("the key pool's event loop stopped before this call was answered")
         for shard in self._shards:
             shard.abandon(closed)
@@ -203,12 +208,53 @@ class KeyPool:
         except Exception as exc:  # the store is opened again next, which may still work
             logger.warning("porch: closing the store of a stopped event loop failed: %r", exc)
 
+    async def _close_with_loop(self) -> None:
+        """Wait until this loop is torn down, then close the pool if it is still open.
+
+        A server without the ASGI lifespan (Django's ASGI app, ``--lifespan off``) opens
+        the pool at the first request and never says it stops; asyncio.run (uvicorn,
+        gunicorn's workers, hypercorn, test runners) cancels every task left on the loop
+        as it ends, this one too, and the store is closed then — not abandoned (SQLite:
+        its WAL checkpointed and removed, no thread left). close() cancels it first.
+        """
+        try:
+            await asyncio.get_running_loop().create_future()  # never set
+        except asyncio.CancelledError:
+            if self._keeper is not asyncio.current_task():
+                return  # close() ran (or the pool moved): nothing left to do here
+            self._keeper = None
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # this task's cleanup may await (bounded below)
+            await self._close_at_teardown()
+
+    async def _close_at_teardown(self) -> None:
+        try:
+            await asyncio.wait_for(self.close(), _CLOSE_TIMEOUT)
+        except (Exception, asyncio.CancelledError) as exc:
+            # A shard task cancelled with the loop's other tasks ends close() early: its
+            # callers are failed already; the store must still be closed.
+            logger.debug("porch: closing the pool as its loop ends: %r", exc)
+            try:
+                await asyncio.wait_for(self.store.close(), _CLOSE_TIMEOUT)
+            except Exception as exc:
+                logger.warning("porch: closing the store as its event loop ended failed: %r", exc)
+
     async def close(self) -> None:
         """Refuse new calls, fail queued and parked callers (PoolClosedError), close the store."""
         if not self._started:
             return
         self._started = False
-        if self._loop is asyncio.get_running_loop():
+        keeper, self._keeper = self._keeper, None
+        running = asyncio.get_running_loop()
+        # (A stopped loop's task cannot be woken: it is dropped with its loop.)
+        if (
+            keeper is not None
+            and keeper is not asyncio.current_task()
+            and keeper.get_loop() is running
+        ):
+            keeper.cancel()
+        if self._loop is running:
             for shard in self._shards:
                 await shard.close()
         else:  # the actors' loop has stopped (or runs elsewhere): their tasks cannot be awaited

@@ -19,6 +19,7 @@ import shutil
 import sqlite3
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from functools import partial
@@ -44,6 +45,9 @@ logger = logging.getLogger("porch.store")
 
 # How long close() at interpreter exit waits for the writer to finish its last batch.
 _EXIT_JOIN = 10.0
+# When the WAL is left after closing, another process had the file open: asked again after
+# these pauses, in case it was closing at the same moment (see _last_out).
+_LAST_OUT_PAUSES = (0.025, 0.05, 0.1)
 
 # Up to this many hits, a batch arriving while the writer is idle commits on the event
 # loop (durability="process" only): see SQLiteStore.apply_then.
@@ -218,6 +222,10 @@ class SQLiteStore(SQLiteWriter):
             thread.join(timeout=_EXIT_JOIN)
         self._blobs.close_reader()
         self._claims.close()  # drops every claim this process still holds
+        try:
+            await asyncio.to_thread(_last_out, self.path)
+        except RuntimeError:  # at interpreter exit, as above
+            _last_out(self.path)
 
     def admin(self) -> SQLiteAdmin:
         """The operator's view of this file (``porch inspect|reset|purge|check``)."""
@@ -324,3 +332,30 @@ class SQLiteStore(SQLiteWriter):
         finally:
             self._conn_lock.release()
         return True
+
+
+def _last_out(path: Path) -> None:
+    """Remove the WAL if this process was, in the end, the file's last user.
+
+    SQLite checkpoints and deletes the WAL when the last connection to the file closes,
+    and only if it gets the file's exclusive lock then. Two processes closing at the same
+    moment (gunicorn's workers told to stop together) can each see the other still open,
+    and both leave the WAL (harmless: it is recovered at the next open, but a store shut
+    down cleanly should leave none). A connection opened and closed again once the other
+    has gone does it; if another process keeps the file open, nothing happens here and
+    that process's own close removes it later.
+    """
+    wal = path.with_name(path.name + "-wal")
+    for pause in _LAST_OUT_PAUSES:
+        if not wal.exists():
+            return
+        time.sleep(pause)
+        try:
+            # mode=rw: never create the file (a store directory removed meanwhile).
+            connection = sqlite3.connect(path.absolute().as_uri() + "?mode=rw", uri=True, timeout=0)
+            try:
+                connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            finally:
+                connection.close()
+        except sqlite3.Error:
+            return  # busy or gone: whoever has it open closes it
