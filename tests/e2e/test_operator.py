@@ -51,6 +51,35 @@ def inspect(*argv: str) -> dict[str, Any]:
     return document
 
 
+def forget_and_run_again(server: DemoServer, store: list[str], key: str, client: str) -> None:
+    """porch forget: the stored response goes, and the same keyed request runs the handler
+    again (a new order) instead of being replayed; a key with nothing stored exits 1."""
+
+    def order() -> httpx.Response:
+        with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+            return http.post(
+                "/orders",
+                json={"item": "tea", "qty": 1},
+                headers={"Idempotency-Key": key, "X-Forwarded-For": client},
+            )
+
+    replayed = order()
+    assert replayed.headers["idempotent-replayed"] == "true"
+    # The demo's limit counts the orders too: room for the two below, whatever was used.
+    porch_cli("reset", *store, "--client", client)
+    done = porch_cli("forget", *store, "--scope", f"client:{client}", "--key", key, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"scope": f"client:{client}", "key": key, "forgotten": 1}
+    again = order()
+    assert again.status_code == 201
+    assert "idempotent-replayed" not in again.headers
+    assert again.content != replayed.content  # the handler ran: another order
+    assert order().headers["idempotent-replayed"] == "true"  # and that one is stored
+    missing = porch_cli("forget", *store, "--scope", f"client:{client}", "--key", "no-such")
+    assert missing.returncode == 1
+    assert "porch forget: no live stored response for key 'no-such'" in missing.stderr
+
+
 def test_version() -> None:
     done = porch_cli("--version")
     assert done.returncode == 0
@@ -95,10 +124,13 @@ def test_inspect_and_reset_a_running_server(demo: DemoLauncher) -> None:
     assert "10.3.0.1" in text.stdout
     assert "op-1" in text.stdout
 
-    # reset of another rule deletes nothing; of the client, its counter: served again.
+    # reset of another rule, or of a client without counters, deletes nothing: exit 1.
     other = porch_cli("reset", *data, "--client", "10.3.0.1", "--rule", "nosuch")
-    assert other.returncode == 0, other.stderr
-    assert "deleted 0" in other.stdout
+    assert other.returncode == 1
+    assert "client '10.3.0.1' has no live counter of rule 'nosuch'" in other.stderr
+    nobody = porch_cli("reset", *data, "--client", "nobody", "--json")
+    assert nobody.returncode == 1
+    assert json.loads(nobody.stdout) == {"client": "nobody", "rule": None, "deleted": 0}
     assert get(server, "10.3.0.1").status_code == 429
     done = porch_cli("reset", *data, "--client", "10.3.0.1", "--rule", "default")
     assert done.returncode == 0, done.stderr
@@ -110,6 +142,7 @@ def test_inspect_and_reset_a_running_server(demo: DemoLauncher) -> None:
         time.sleep(0.1)
     assert server.count_for("10.3.0.1") == 1
     assert server.count_for("10.3.0.2") == 2  # other clients untouched
+    forget_and_run_again(server, data, "op-1", "10.3.0.2")
 
 
 def test_purge_deletes_expired_rows(demo: DemoLauncher) -> None:
@@ -122,8 +155,8 @@ def test_purge_deletes_expired_rows(demo: DemoLauncher) -> None:
     assert done.returncode == 0, done.stderr
     assert "deleted 6 expired counter(s) and 0 expired response(s)" in done.stdout, done.stdout
     assert server.counters() == {}
-    again = porch_cli("purge", "--data-dir", str(server.data_dir))
-    assert "deleted 0 expired counter(s)" in again.stdout
+    again = porch_cli("purge", "--data-dir", str(server.data_dir), "--json")
+    assert json.loads(again.stdout) == {"counters": 0, "responses": 0}
     assert get(server, "10.4.0.1").status_code == 200  # the running server carries on
     assert server.count_for("10.4.0.1") == 1
 
@@ -139,6 +172,10 @@ def test_check_healthy_corrupt_and_foreign(tmp_path: Path, demo: DemoLauncher) -
     healthy = porch_cli("check", "--data-dir", str(server.data_dir))
     assert healthy.returncode == 0, healthy.stderr
     assert "ok (schema version" in healthy.stdout
+    as_json = json.loads(porch_cli("check", "--data-dir", str(server.data_dir), "--json").stdout)
+    assert as_json["healthy"] is True
+    assert as_json["problems"] == []
+    assert as_json["schema_version"] == as_json["expected_version"]
     server.terminate()
 
     # A page in the middle of the file overwritten: integrity_check names the damage.
@@ -153,6 +190,9 @@ def test_check_healthy_corrupt_and_foreign(tmp_path: Path, demo: DemoLauncher) -
     done = porch_cli("check", "--data-dir", str(broken))
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "NOT HEALTHY" in done.stderr
+    damaged = porch_cli("check", "--data-dir", str(broken), "--json")
+    assert damaged.returncode == 1
+    assert json.loads(damaged.stdout)["healthy"] is False
     assert str(broken / "porch.sqlite3") in done.stderr
     assert "integrity_check" in done.stderr or "malformed" in done.stderr, done.stderr
     assert _digest(broken / "porch.sqlite3") == before  # check changes nothing
@@ -169,7 +209,13 @@ def test_check_healthy_corrupt_and_foreign(tmp_path: Path, demo: DemoLauncher) -
             conn.commit()
             conn.close()
         before = _digest(path)
-        for command in (["check"], ["inspect"], ["purge"], ["reset", "--client", "x"]):
+        for command in (
+            ["check"],
+            ["inspect"],
+            ["purge"],
+            ["reset", "--client", "x"],
+            ["forget", "--scope", "client:x", "--key", "k"],
+        ):
             done = porch_cli(*command, "--data-dir", str(other))
             assert done.returncode != 0, (command, done.stdout)
             assert str(path) in done.stderr, done.stderr
@@ -277,6 +323,7 @@ def test_operator_commands_on_postgres(demo: DemoLauncher, pg_databases: tuple[s
     empty = porch_cli("check", "--store", pg_empty)
     assert empty.returncode == 1
     assert "no porch schema here" in empty.stderr
+    forget_and_run_again(server, store, "pg-1", "10.6.0.2")
 
 
 # -- and on a Redis store -----------------------------------------------------------------------
@@ -343,3 +390,4 @@ def test_operator_commands_on_redis(demo: DemoLauncher, redis_url: str) -> None:
     assert purged.returncode == 0, purged.stderr
     assert "deleted 0 expired counter(s)" in purged.stdout
     assert porch_cli("check", *store).returncode == 0
+    forget_and_run_again(server, store, key, two)

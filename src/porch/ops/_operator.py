@@ -1,4 +1,4 @@
-"""``porch inspect | reset | purge | check``: the operator's commands, for any store.
+"""``porch inspect | reset | forget | purge | check``: the operator's commands, for any store.
 
 Each takes ``--data-dir D`` (the SQLite file ``D/porch.sqlite3``, as ``porch
 demo`` uses it) or ``--store URL`` and speaks only the admin protocol of
@@ -22,7 +22,7 @@ from ..store.urls import redact
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
-COMMANDS = ("inspect", "reset", "purge", "check")
+COMMANDS = ("inspect", "reset", "forget", "purge", "check")
 
 T = TypeVar("T")
 
@@ -39,20 +39,46 @@ def _target(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("inspect", help="list live counters and stored responses")
+    def add_parser(name: str, help: str) -> argparse.ArgumentParser:
+        # The same sentence in `porch --help` and in `porch NAME --help`.
+        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+
+    p = add_parser("inspect", "list live counters and stored responses")
     _target(p)
     p.add_argument("--client", default=None, help="only this client (its counters and responses)")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+    _json(p)
     p.add_argument("--max", type=int, default=1000, help="at most this many of each (default 1000)")
-    p = sub.add_parser("reset", help="delete a client's counters: it is served again at once")
+    p = add_parser(
+        "reset",
+        help="delete a client's counters: it is served again within ~1 s (the limiters'"
+        " refusal memory); exit 1 if it has none",
+    )
     _target(p)
     p.add_argument("--client", required=True, help="the client key (e.g. its address)")
     p.add_argument("--rule", default=None, help="only this rule's counters")
-    p = sub.add_parser("purge", help="delete expired counters and stored responses")
+    _json(p)
+    p = add_parser(
+        "forget",
+        help="forget one stored idempotency response: the next request with its key runs"
+        " the handler; exit 1 if there is none",
+    )
     _target(p)
-    p = sub.add_parser("check", help="schema version and integrity; exit 1 when damaged")
+    p.add_argument(
+        "--scope", required=True, help="the caller scope, as porch inspect shows it (client:ADDR)"
+    )
+    p.add_argument("--key", required=True, help="the Idempotency-Key")
+    _json(p)
+    p = add_parser("purge", "delete expired counters and stored responses")
     _target(p)
+    _json(p)
+    p = add_parser("check", "schema version and integrity; exit 1 when damaged")
+    _target(p)
+    _json(p)
 
 
 def _admin(args: argparse.Namespace) -> StoreAdmin:
@@ -147,12 +173,42 @@ def shown(text: str) -> str:
 async def _reset(admin: StoreAdmin, args: argparse.Namespace) -> int:
     n = await admin.reset(client=args.client, rule=args.rule)
     which = f" of rule {args.rule!r}" if args.rule else ""
-    print(f"deleted {n} counter(s){which} of client {args.client!r}")
+    if args.json:
+        print(json.dumps({"client": args.client, "rule": args.rule, "deleted": n}))
+    elif n:
+        print(f"deleted {n} counter(s){which} of client {shown(args.client)!r}")
+    if not n:
+        # Nothing to reset is most often a mistyped key (a port, another /64): say so.
+        print(
+            f"porch reset: client {shown(args.client)!r} has no live counter{which}"
+            " (porch inspect lists the clients)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+async def _forget(admin: StoreAdmin, args: argparse.Namespace) -> int:
+    n = await admin.forget(scope=args.scope, key=args.key)
+    if args.json:
+        print(json.dumps({"scope": args.scope, "key": args.key, "forgotten": n}))
+    elif n:
+        print(f"forgot the stored response of key {shown(args.key)!r} of {shown(args.scope)}")
+    if not n:
+        print(
+            f"porch forget: no live stored response for key {shown(args.key)!r} in scope"
+            f" {shown(args.scope)!r} (porch inspect lists them)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 async def _purge(admin: StoreAdmin, args: argparse.Namespace) -> int:
     report = await admin.purge()
+    if args.json:
+        print(json.dumps({"counters": report.counters, "responses": report.responses}))
+        return 0
     print(
         f"deleted {report.counters} expired counter(s) and {report.responses} expired response(s)"
     )
@@ -161,6 +217,20 @@ async def _purge(admin: StoreAdmin, args: argparse.Namespace) -> int:
 
 async def _check(admin: StoreAdmin, args: argparse.Namespace) -> int:
     report = await admin.check()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "store": redact(report.location),
+                    "healthy": report.healthy,
+                    "schema_version": report.schema_version,
+                    "expected_version": report.expected_version,
+                    "problems": [redact(p) for p in report.problems],
+                },
+                ensure_ascii=False,
+            )
+        )
+        return 0 if report.healthy else 1
     if report.healthy:
         print(f"{redact(report.location)}: ok (schema version {report.schema_version})")
         return 0
@@ -173,6 +243,7 @@ async def _check(admin: StoreAdmin, args: argparse.Namespace) -> int:
 _COMMANDS: dict[str, Callable[[StoreAdmin, argparse.Namespace], Awaitable[int]]] = {
     "inspect": _inspect,
     "reset": _reset,
+    "forget": _forget,
     "purge": _purge,
     "check": _check,
 }

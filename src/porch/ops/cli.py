@@ -1,4 +1,4 @@
-"""The ``porch`` command line."""
+"""The porch command line: the storefront demo, and the operator's commands on a store."""
 
 from __future__ import annotations
 

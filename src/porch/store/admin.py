@@ -86,6 +86,13 @@ class StoreAdmin(Protocol):
         """Delete the counters of ``client`` (of one rule, if given); return how many."""
         ...
 
+    async def forget(self, *, scope: str, key: str) -> int:
+        """Forget the live stored response of idempotency key ``key`` in caller ``scope`` (as
+        ``porch inspect`` shows them): the next request with that key runs the handler.
+        Returns 1, or 0 when there was none. The response expires now (its bytes are
+        reclaimed as any expired response's); a claim held on the key is left alone."""
+        ...
+
     async def purge(self) -> PurgeReport:
         """Delete every expired counter and stored response."""
         ...

@@ -115,6 +115,22 @@ class PostgresAdmin:
             await conn.close()
         return int(status.split()[-1])
 
+    async def forget(self, *, scope: str, key: str) -> int:
+        conn = await self._conn()
+        try:
+            # Expired now: lookups and claims read it as absent, the prunes reclaim its
+            # bytes; the row (and its fence token) stays until then.
+            status = await conn.execute(
+                f"UPDATE {self.s}.records SET expires = {_NOW} WHERE key = $1"
+                f" AND status IS NOT NULL AND expires > {_NOW}",
+                scope + US + key,
+            )
+        except Exception as exc:
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
+        finally:
+            await conn.close()
+        return int(status.split()[-1])
+
     async def purge(self) -> PurgeReport:
         s = self.s
         conn = await self._conn()

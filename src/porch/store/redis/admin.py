@@ -50,6 +50,23 @@ end
 return {total, sum}
 """
 
+# Forget one stored response: its fields leave the record (whose fence token and any claim
+# held stay), and its bytes leave the scope's and the store's quota bookkeeping.
+# KEYS: record, scope expiries, scope sizes, total expiries, total sizes. ARGV: the key.
+_FORGET = """
+if redis.call('HEXISTS', KEYS[1], 's') == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'd', 's', 'h', 'b')
+if redis.call('HLEN', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
+for _, pair in ipairs({{KEYS[2], KEYS[3]}, {KEYS[4], KEYS[5]}}) do
+  local size = redis.call('HGET', pair[2], ARGV[1])
+  if size then
+    redis.call('HDEL', pair[2], ARGV[1])
+    redis.call('ZREM', pair[1], ARGV[1])
+    redis.call('HINCRBY', pair[2], '\\0', -tonumber(size))
+  end
+end
+return 1
+"""
 _GLOB = re.compile(r"([*?\[\]\\])")
 
 
@@ -162,6 +179,26 @@ class RedisAdmin:
         marker = f"{self.prefix}:qz:".encode()
         sizes = f"{self.prefix}:qb:".encode()
         return [(z, sizes + z[len(marker) :]) for z in zsets if z.startswith(marker)]
+
+    async def forget(self, *, scope: str, key: str) -> int:
+        redis = await self._redis()
+        logical = scope + US + key
+        zset, sizes = self.names.scope(scope)
+        try:
+            forget = redis.register_script(_FORGET)
+            done = await forget(
+                keys=[
+                    self.names.record(logical),
+                    zset,
+                    sizes,
+                    self.names.total_zset,
+                    self.names.total_sizes,
+                ],
+                args=[logical],
+            )
+        except Exception as exc:
+            raise StoreError(redact(f"{self.location}: {exc}")) from exc
+        return int(done)
 
     async def purge(self) -> PurgeReport:
         redis = await self._redis()

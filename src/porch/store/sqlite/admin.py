@@ -185,6 +185,22 @@ class SQLiteAdmin:
                 ).rowcount
         return deleted
 
+    async def forget(self, *, scope: str, key: str) -> int:
+        return await asyncio.to_thread(self._forget, scope, key)
+
+    def _forget(self, scope: str, key: str) -> int:
+        with self._writing() as conn:
+            mono, wall = self._now(conn)
+            # Expired now (its expiry at its own start): lookups read it as absent, and the
+            # prunes reclaim it; the row stays until then, as any expired response's.
+            live = "expires > ?" if mono is not None else "stored_wall + (expires - stored_at) > ?"
+            return int(
+                conn.execute(
+                    f"UPDATE responses SET expires = stored_at WHERE key = ? AND {live}",
+                    (scope + US + key, mono if mono is not None else wall),
+                ).rowcount
+            )
+
     async def purge(self) -> PurgeReport:
         return await asyncio.to_thread(self._purge)
 
