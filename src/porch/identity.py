@@ -25,7 +25,7 @@ import ipaddress
 import itertools
 import logging
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Literal
 
 from ._types import Scope
@@ -33,7 +33,11 @@ from .errors import ConfigurationError, ForwardingHeaderError
 
 __all__ = ["UNKNOWN_CLIENT", "ClientIdentity", "KeyFunc"]
 
-KeyFunc = Callable[[Scope], str]
+#: The client key of a request: a callable given the ASGI scope, returning the key, or an
+#: awaitable of it (an async function: an API key looked up in a database). It may read what
+#: the app's authentication, running before porch, left in the scope (``scope["state"]``,
+#: ``scope["user"]``); it may raise ForwardingHeaderError for a 400.
+KeyFunc = Callable[[Scope], str | Awaitable[str]]
 
 _IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -512,3 +512,22 @@ async def test_a_dependency_takes_a_policy(pool: KeyPool) -> None:
 
 def _json(key: str) -> dict[str, str]:
     return {"Idempotency-Key": key, "Content-Type": "application/json"}
+
+
+async def test_a_route_limit_takes_an_async_key_function(pool: KeyPool) -> None:
+    app = FastAPI()
+
+    async def account(scope: Any) -> str:
+        api_key: bytes = dict(scope["headers"]).get(b"x-api-key", b"-")
+        return "acct:" + api_key.decode()
+
+    @app.get("/reports", dependencies=[Depends(RateLimit("1/hour", key=account))])
+    async def reports() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    async with client(app) as c:
+        a = [(await c.get("/reports", headers={"x-api-key": "a"})).status_code for _ in range(2)]
+        b = (await c.get("/reports", headers={"x-api-key": "b"})).status_code
+    assert a == [200, 429]
+    assert b == 200

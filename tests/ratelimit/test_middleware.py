@@ -520,3 +520,43 @@ async def test_porch_answers_the_lifespan_for_an_app_without_one(tmp_path: Path)
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert not pool.started
     assert not (tmp_path / "porch.sqlite3-wal").exists()
+
+
+async def test_an_async_key_function_and_what_the_apps_auth_left_in_the_scope(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    """The app's authentication runs first and leaves the user in scope["state"]; an async
+    key function looks an API key up (a database, here a dict behind an await)."""
+    keys = {b"k-1": "acct-1", b"k-2": "acct-1", b"k-3": "acct-2"}  # two keys, one account
+
+    async def account(scope: Scope) -> str:
+        await asyncio.sleep(0)  # the database round trip
+        api_key = dict(scope["headers"]).get(b"x-api-key", b"")
+        return keys.get(api_key, "anonymous")
+
+    def authenticated(app: ASGIApp) -> ASGIApp:
+        async def auth(scope: Scope, receive: Receive, send: Send) -> None:
+            # Decoded once (a JWT, say): the key function reads it, never the header again.
+            token = dict(scope["headers"]).get(b"authorization", b"Bearer nobody")
+            scope.setdefault("state", {})["user"] = token.split()[-1].decode()
+            await app(scope, receive, send)
+
+        return auth
+
+    def user(scope: Scope) -> str:
+        return "user:" + str(scope["state"]["user"])
+
+    by_account = RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(2, 60)), key=account)
+    by_user = authenticated(
+        RateLimitMiddleware(hello, pool=pool, rules=Rule(Limit(1, 60), name="u"), key=user)
+    )
+    async with client(by_account) as c:
+        shared = [await c.get("/", headers={"x-api-key": k}) for k in ("k-1", "k-2", "k-1")]
+        other = await c.get("/", headers={"x-api-key": "k-3"})
+    assert [r.status_code for r in shared] == [200, 200, 429]  # one account's two keys
+    assert other.status_code == 200
+    async with client(by_user) as c:
+        alice = [await c.get("/", headers={"authorization": "Bearer alice"}) for _ in range(2)]
+        bob = await c.get("/", headers={"authorization": "Bearer bob"})
+    assert [r.status_code for r in alice] == [200, 429]
+    assert bob.status_code == 200

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from .._types import Scope
 from ..errors import ConfigurationError, UnidentifiedCallerError
-from ..identity import UNKNOWN_CLIENT, ClientIdentity, KeyFunc
+from ..identity import UNKNOWN_CLIENT, ClientIdentity
 
 __all__ = [
     "SECRET",
@@ -132,8 +132,10 @@ class CallerScope:
 
     __slots__ = ("_identity",)
 
-    def __init__(self, *, identity: KeyFunc | None = None) -> None:
-        self._identity: KeyFunc = identity if identity is not None else ClientIdentity()
+    def __init__(self, *, identity: Callable[[Scope], str] | None = None) -> None:
+        self._identity: Callable[[Scope], str] = (
+            identity if identity is not None else ClientIdentity()
+        )
 
     def __call__(self, scope: Scope) -> str:
         h: hashlib.blake2b | None = None

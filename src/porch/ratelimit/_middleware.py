@@ -257,7 +257,9 @@ class RateLimitMiddleware:
             send = websocket_denial(scope, send)
 
         try:
-            client = self._key(scope)
+            found = self._key(scope)
+            # An async key function (an API key looked up in a database) is awaited.
+            client = found if isinstance(found, str) else await found
         except ForwardingHeaderError as exc:
             # Throttled like every refusal: a flood of forged headers is one line a second.
             self._log.event(
