@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import APIRouter, FastAPI, Header, Request
 
 from porch import (
     CallerScope,
@@ -46,20 +46,20 @@ def record_order(user: str, body: bytes) -> int:
         return int(cursor.lastrowid or 0)
 
 
-app = FastAPI()
+router = APIRouter()
 
 
-@app.get("/hello")
+@router.get("/hello")
 async def hello() -> dict[str, str]:
     return {"hello": "world"}
 
 
-@app.get("/health")
+@router.get("/health")
 async def health() -> dict[str, bool]:
     return {"ok": True}
 
 
-@app.post("/orders", status_code=201)
+@router.post("/orders", status_code=201)
 async def create_order(request: Request, x_api_key: str = Header("")) -> dict[str, Any]:
     user = USERS.get(x_api_key, "anonymous")
     await asyncio.sleep(float(os.environ.get("CHECKOUT_DELAY", "0")))  # a payment provider, say
@@ -67,13 +67,21 @@ async def create_order(request: Request, x_api_key: str = Header("")) -> dict[st
     return {"order": order, "user": user, "receipt": uuid.uuid4().hex}
 
 
-pool = KeyPool(SQLiteStore(DATA))
-# The last added runs first: limit, then idempotency.
-app.add_middleware(
-    IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
-)
-app.add_middleware(
-    RateLimitMiddleware,
-    pool=pool,
-    rules=Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello"),
-)
+def create_app(pool: KeyPool) -> FastAPI:
+    """The app over ``pool`` (its tests hand it porch.testing's throwaway pool)."""
+    app = FastAPI()
+    app.include_router(router)
+    # The last added runs first: limit, then idempotency.
+    app.add_middleware(
+        IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
+    )
+    hello_limit = int(os.environ.get("HELLO_LIMIT", "5"))
+    app.add_middleware(
+        RateLimitMiddleware,
+        pool=pool,
+        rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
+    )
+    return app
+
+
+app = create_app(KeyPool(SQLiteStore(DATA)))

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flask import Flask, jsonify, request
+from flask import Blueprint, Flask, jsonify, request
 
 from porch import CallerScope, IdempotencyRule, Limit, Rule
 from porch.integrations.flask import Porch
@@ -39,20 +39,20 @@ def record_order(user: str, body: bytes) -> int:
         return int(cursor.lastrowid or 0)
 
 
-app = Flask(__name__)
+site = Blueprint("site", __name__)
 
 
-@app.get("/hello")
+@site.get("/hello")
 def hello() -> Any:
     return jsonify(hello="world")
 
 
-@app.get("/health")
+@site.get("/health")
 def health() -> Any:
     return jsonify(ok=True)
 
 
-@app.post("/orders")
+@site.post("/orders")
 def create_order() -> Any:
     user = USERS.get(request.headers.get("X-API-Key", ""), "anonymous")
     time.sleep(float(os.environ.get("CHECKOUT_DELAY", "0")))  # a payment provider, say
@@ -60,12 +60,21 @@ def create_order() -> Any:
     return jsonify(order=order, user=user, receipt=uuid.uuid4().hex), 201
 
 
-app.config.update(
-    PORCH_DATA_DIR=str(DATA),
-    PORCH_RULES=[
-        Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello")
-    ],
-    PORCH_IDEMPOTENCY=[IdempotencyRule("/orders")],
-    PORCH_IDEMPOTENCY_OPTIONS={"scope": user_scope},
-)
-porch = Porch(app)
+def create_app(**config: Any) -> Flask:
+    """The app, porch configured from app.config (its tests pass PORCH_STORE=...)."""
+    app = Flask(__name__)
+    app.register_blueprint(site)
+    hello_limit = int(os.environ.get("HELLO_LIMIT", "5"))
+    app.config.update(
+        PORCH_DATA_DIR=str(DATA),
+        PORCH_RULES=[Rule(Limit(hello_limit, 60, name="hello"), path="/hello")],
+        PORCH_IDEMPOTENCY=[IdempotencyRule("/orders")],
+        PORCH_IDEMPOTENCY_OPTIONS={"scope": user_scope},
+    )
+    app.config.update(config)
+    porch.init_app(app)
+    return app
+
+
+porch = Porch()
+app = create_app()

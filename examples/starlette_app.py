@@ -65,20 +65,26 @@ async def create_order(request: Request) -> JSONResponse:
     return JSONResponse(receipt, status_code=201)
 
 
-pool = KeyPool(SQLiteStore(DATA))
-app = Starlette(
-    routes=[
-        Route("/hello", hello),
-        Route("/health", health),
-        Route("/orders", create_order, methods=["POST"]),
-    ]
-)
-# The last added runs first: limit, then idempotency.
-app.add_middleware(
-    IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
-)
-app.add_middleware(
-    RateLimitMiddleware,
-    pool=pool,
-    rules=Rule(Limit(int(os.environ.get("HELLO_LIMIT", "5")), 60, name="hello"), path="/hello"),
-)
+def create_app(pool: KeyPool) -> Starlette:
+    """The app over ``pool`` (its tests hand it porch.testing's throwaway pool)."""
+    app = Starlette(
+        routes=[
+            Route("/hello", hello),
+            Route("/health", health),
+            Route("/orders", create_order, methods=["POST"]),
+        ]
+    )
+    # The last added runs first: limit, then idempotency.
+    app.add_middleware(
+        IdempotencyMiddleware, pool=pool, rules=IdempotencyRule("/orders"), scope=user_scope
+    )
+    hello_limit = int(os.environ.get("HELLO_LIMIT", "5"))
+    app.add_middleware(
+        RateLimitMiddleware,
+        pool=pool,
+        rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
+    )
+    return app
+
+
+app = create_app(KeyPool(SQLiteStore(DATA)))

@@ -93,6 +93,7 @@ def test_switched_off_by_config_nothing_is_limited_or_opened(tmp_path: Path) -> 
     [
         ({"PORCH_RULE": []}, "unknown porch setting 'PORCH_RULE'; porch reads PORCH_DATA_DIR,"),
         ({"PORCH_ENABLED": "no"}, "PORCH_ENABLED must be True or False, got 'no'"),
+        ({"PORCH_STORE": 42}, "PORCH_STORE must be a store URL or a porch Store, got 42"),
         ({"PORCH_RULES": "5/minute"}, "PORCH_RULES must be a Rule or a list of them, got"),
         ({"PORCH_STORE": "ftp://x"}, "unknown store URL scheme 'ftp'"),
         ({"PORCH_POOL": {"sise": 2}}, "PORCH_POOL: "),

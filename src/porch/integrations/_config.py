@@ -19,7 +19,7 @@ from ..idempotency._middleware import IdempotencyMiddleware, IdempotencyRule
 from ..pool._pool import KeyPool
 from ..ratelimit._middleware import RateLimitMiddleware
 from ..ratelimit._rules import Rule
-from ..store.base import Store
+from ..store.base import Capabilities, Store
 
 __all__ = ["KEYS", "Settings"]
 
@@ -64,7 +64,9 @@ class Settings:
         if not isinstance(enabled, bool):
             raise ConfigurationError(f"PORCH_ENABLED must be True or False, got {enabled!r}")
         store = config.get("PORCH_STORE")
-        if store is not None and not isinstance(store, str | Store):
+        # A Store is a protocol: known by the Capabilities every store declares.
+        is_store = isinstance(getattr(store, "capabilities", None), Capabilities)
+        if store is not None and not isinstance(store, str) and not is_store:
             raise ConfigurationError(
                 f"PORCH_STORE must be a store URL or a porch Store, got {store!r}"
             )
