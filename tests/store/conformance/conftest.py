@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,6 +35,12 @@ _MODULES = {
     "redis": ("porch.store.redis", "RedisStore"),
 }
 HOLDER = Path(__file__).with_name("holder.py")
+# The network backends whose store takes a test clock for its counters: ``clock=`` (a
+# ManualClock) makes it decide hits and settles at ``clock.monotonic()``, sent with each
+# batch, instead of at its server's time. A test hook: the policies' conformance
+# (test_policies.py) compares such a store with the reference model to the bit, and
+# skips a backend not named here. SQLite's whole store runs on its injected clock.
+COUNTER_CLOCKS: frozenset[str] = frozenset()
 
 
 class Backend:
@@ -62,6 +69,17 @@ class Backend:
     def on(self, server_url: str) -> Backend:
         """The same backend and isolation on another server (a failure leg's own)."""
         return Backend(self.name, self._factory, server_url, self.isolation, server_url, None)
+
+    def counter_clock(self) -> ManualClock | None:
+        """A manual clock this backend's counters can be decided on (see COUNTER_CLOCKS):
+        the backend's own (SQLite), a new one at the current time for a network store
+        that takes one, or None."""
+        if self.clock is not None:
+            return self.clock
+        if self.name in COUNTER_CLOCKS:
+            now = time.time()
+            return ManualClock(monotonic=now, wall=now)
+        return None
 
     def lease(self, seconds: float) -> dict[str, Any]:
         """The option giving a store's claims a lease of ``seconds`` (none for SQLite)."""
