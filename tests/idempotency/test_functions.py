@@ -8,9 +8,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from porch import ConfigurationError, KeyPool, SQLiteStore, idempotent_function
+from porch import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    KeyPool,
+    SQLiteStore,
+    idempotent_function,
+)
 from porch.idempotency import JSONCodec
 
 pytestmark = pytest.mark.anyio
@@ -101,3 +108,30 @@ async def test_a_key_must_be_a_short_string(pool: KeyPool) -> None:
     for bad in ["", "x" * 256, 5]:
         with pytest.raises(ValueError, match="an idempotency key must be a str"):
             await f(bad)
+
+
+async def test_no_request_reaches_a_functions_key(tmp_path: Path) -> None:
+    """A function's keys start with the scoped key's separator, which the middleware
+    refuses in a caller scope: no scope function can name them."""
+    calls: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"http"})
+
+    async with KeyPool(SQLiteStore(tmp_path)) as pool:
+
+        @idempotent_function(pool, key="event", name="hooks", fingerprint=None)
+        async def hook(event: str) -> str:
+            return "function"
+
+        assert await hook("e1") == "function"
+        hostile = IdempotencyMiddleware(app, pool=pool, scope=lambda scope: "\x1ffn:hooks")
+        transport = httpx.ASGITransport(app=hostile)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            refused = await c.post("/o", headers={"Idempotency-Key": "e1"})
+        assert refused.status_code == 503
+        assert refused.json()["cause"] == "configuration"
+        assert calls == []
+        assert await hook("e1") == "function"

@@ -37,9 +37,11 @@ logger = logging.getLogger("porch.idempotency")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Keys of functions live beside request keys, under "fn:<name>" where a request's caller
-# scope stands ("cred:..." or "client:..." by default).
-_SCOPE = "fn:"
+# Keys of functions live beside request keys, under "\x1ffn:<name>" where a request's caller
+# scope stands ("cred:..." or "client:..." by default). A request's scope never holds \x1f
+# (the middleware refuses one that does) and its key is printable, so no request reaches
+# a function's key, whatever its scope function returns.
+_SCOPE = "\x1ffn:"
 _MAX_KEY = 255
 _MAX_NAME = 128
 # A sync call's wait for the background loop is bounded past the policy's own wait.

@@ -237,6 +237,20 @@ class IdempotencyMiddleware:
                 cause="unidentified",
             )(scope, receive, send)
             return
+        if "\x1f" in caller:
+            # The separator of a scoped key, and what idempotent functions' keys start with
+            # (_functions.py): a scope holding it could reach keys that are not its own.
+            self.events.event(
+                scope,
+                "configuration",
+                503,
+                logging.ERROR,
+                "porch: the caller scope function returned a scope holding \\x1f; refused (503)",
+            )
+            await problem(503, "idempotency is misconfigured", cause="configuration")(
+                scope, receive, send
+            )
+            return
         await self._keyed(scope, receive, send, policy, caller, f"{caller}\x1f{key}", digest, body)
 
     def _caller(self, scope: Scope) -> str:

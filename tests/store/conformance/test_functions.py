@@ -127,7 +127,7 @@ async def test_a_duplicate_waits_at_most_wait_timeout(backend: Backend) -> None:
 
 async def test_a_killed_holders_key_is_taken_over(backend: Backend) -> None:
     """A process holding the function's key dies (kill -9): the key is not wedged."""
-    holder = await backend.holder("fn:events\x1fevt-5", **backend.lease(1.0))
+    holder = await backend.holder("\x1ffn:events\x1fevt-5", **backend.lease(1.0))
     assert holder.token > 0
     pool = await backend.pool()
     handler = Counted()
