@@ -15,6 +15,7 @@ seconds, encoded by a codec (JSON by default) as a stored response's body.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import hashlib
 import inspect
@@ -24,7 +25,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
-from ..errors import ConfigurationError, KeyInProgressError, KeyReusedError
+from ..errors import ConfigurationError, KeyInProgressError, KeyReusedError, StoreError
 from ..pool._pool import KeyPool
 from ..store.base import Quota, StoredResponse
 from ._ownership import OWNER, Acquire, Complete, Outcome, Report
@@ -254,9 +255,14 @@ class IdempotentFunction(Generic[P, R]):
     ) -> Any:
         loop = self._background()
         bound = self.policy.wait_timeout + _LOOP_MARGIN
-        outcome, acquire, shard = asyncio.run_coroutine_threadsafe(
-            self._acquire(key, digest), loop
-        ).result(bound)
+        pending = asyncio.run_coroutine_threadsafe(self._acquire(key, digest), loop)
+        try:
+            outcome, acquire, shard = pending.result(bound)
+        except concurrent.futures.TimeoutError:
+            # The store did not answer in time: give up the call (a claim it took
+            # meanwhile is released by the cancelled acquire), never hold the key.
+            pending.cancel()
+            raise StoreError(f"{self.name}: no answer from the store in {bound:.0f} s") from None
         if outcome is not OWNER:
             return self._answer(outcome)
         try:
