@@ -12,6 +12,7 @@ import pytest
 
 from porch import ConfigurationError, KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
 from porch._types import ASGIApp, Receive, Scope, Send
+from porch.ratelimit._rules import RATE_GRAMMAR
 
 pytestmark = pytest.mark.anyio
 
@@ -62,6 +63,35 @@ def test_rate_strings(text: str, amount: int, window: float) -> None:
     assert limit == Limit(amount, window)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10/minute sliding", Limit(10, 60, algorithm="sliding")),
+        ("10 per 5 seconds SLIDING", Limit(10, 5, algorithm="sliding")),
+        ("5/second gcra", Limit(5, 1, algorithm="gcra")),
+        ("5/second gcra burst 20", Limit(5, 1, algorithm="gcra", burst=20)),
+        (" 5 per second  gcra  BURST 20 ", Limit(5, 1, algorithm="gcra", burst=20)),
+        ("7/h fixed", Limit(7, 3600)),
+    ],
+)
+def test_rate_strings_name_the_algorithm(text: str, expected: Limit) -> None:
+    assert Limit(text) == expected
+    # A keyword that agrees with the string, or says what the string leaves out, is fine.
+    assert Limit(text, algorithm=expected.algorithm) == expected
+    assert Limit("5/second", algorithm="gcra", burst=20) == Limit("5/second gcra burst 20")
+
+
+def test_default_names_tell_the_algorithms_apart() -> None:
+    # A fixed window's name is as it always was: its stored counters keep their meaning.
+    assert Limit("10/minute").name == "10-per-60s"
+    assert Limit("10/minute sliding").name == "10-per-60s-sliding"
+    assert Limit("10/minute gcra").name == "10-per-60s-gcra"
+    assert Limit("10/minute gcra burst 10").name == "10-per-60s-gcra"
+    assert Limit("10/minute gcra burst 30").name == "10-per-60s-gcra-burst-30"
+    # So one rule may hold one rate under two algorithms.
+    assert len(Rule("10/minute; 10/minute sliding; 10/minute gcra").limits) == 3
+
+
 def test_several_rates() -> None:
     assert Limit.parse("100/day; 10/second") == (Limit(100, 86400), Limit(10, 1))
     assert Limit.parse("1/s, 2/m") == (Limit(1, 1), Limit(2, 60))
@@ -80,12 +110,13 @@ def test_several_rates() -> None:
         (
             lambda: Limit("5/fortnight"),
             "invalid rate '5/fortnight': unknown unit 'fortnight'"
-            " (use second, minute, hour or day)",
+            f" (use second, minute, hour or day); expected {RATE_GRAMMAR}",
         ),
         (
             lambda: Limit("five/minute"),
-            "invalid rate 'five/minute': expected '<amount>/<unit>' or"
-            " '<amount> per [<count>] <unit>', e.g. '5/minute', '10/5s'",
+            "invalid rate 'five/minute': expected '<amount>/[<count>]<unit>"
+            " [fixed | sliding | gcra [burst <n>]]' ('per' for '/'), e.g. '5/minute',"
+            " '10 per 5 seconds sliding', '5/second gcra burst 20'",
         ),
         (lambda: Limit("0/minute"), "limit amount must be an integer >= 1, got 0"),
         (lambda: Limit("5/0s"), "limit window must be > 0 seconds, got 0"),
@@ -123,6 +154,29 @@ def test_several_rates() -> None:
         (
             lambda: Limit(5, 60, algorithm="gcra", burst=0),
             "limit burst must be an integer >= 1, got 0",
+        ),
+        (
+            lambda: Limit("5/minute leaky"),
+            f"invalid rate '5/minute leaky': unknown algorithm 'leaky'; expected {RATE_GRAMMAR}",
+        ),
+        (
+            lambda: Limit("5/minute sliding burst 9"),
+            "invalid rate '5/minute sliding burst 9': a burst applies to gcra only;"
+            f" expected {RATE_GRAMMAR}",
+        ),
+        (lambda: Limit("5/s gcra burst 0"), "limit burst must be an integer >= 1, got 0"),
+        (
+            lambda: Limit("5/minute burst 9"),
+            f"invalid rate '5/minute burst 9': expected {RATE_GRAMMAR}",
+        ),
+        (
+            lambda: Limit("5/minute sliding", algorithm="gcra"),
+            "the rate string says algorithm 'sliding' and the keyword algorithm='gcra';"
+            " give it once",
+        ),
+        (
+            lambda: Limit("5/minute gcra burst 9", burst=8),
+            "the rate string says burst 9 and the keyword burst=8; give it once",
         ),
     ],
 )
@@ -195,7 +249,7 @@ def test_a_limit_names_its_algorithm_and_burst() -> None:
     assert (Limit(5, 60).algorithm, Limit(5, 60).burst) == ("fixed", 5)
     assert Limit(5, 60, algorithm="gcra").burst == 5
     bucket = Limit(5, 60, algorithm="gcra", burst=20)
-    assert (bucket.algorithm, bucket.burst, bucket.name) == ("gcra", 20, "5-per-60s")
+    assert (bucket.algorithm, bucket.burst, bucket.name) == ("gcra", 20, "5-per-60s-gcra-burst-20")
     # One name, another algorithm: another policy (two rules cannot share it by accident).
     assert Rule(bucket, name="r").signature() != Rule(Limit(5, 60), name="r").signature()
     assert Rule(Limit(5, 60), name="r").signature() == (

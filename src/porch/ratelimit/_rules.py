@@ -13,12 +13,15 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .._paths import compile_path, normalize_method, path_matches
 from ..errors import ConfigurationError
 from ..store.base import ALGORITHMS, Algorithm
 
-__all__ = ["Limit", "Rule"]
+__all__ = ["RATE_GRAMMAR", "Limit", "Rule"]
+
+_T = TypeVar("_T")
 
 # Names travel in a structured-field string (RateLimit-Policy) and in store keys.
 _NAME = re.compile(r"[A-Za-z0-9_.:/+{}-]{1,64}\Z")
@@ -30,9 +33,26 @@ _UNITS = {
     **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600),
     **dict.fromkeys(("d", "day", "days"), 86400),
 }
-# "5/minute", "5 per minute", "10/5s", "10 per 5 minutes", "100/day".
-_RATE = re.compile(r"\s*(\d+)\s*(?:/|\s+per\s+)\s*(\d+(?:\.\d+)?)?\s*([A-Za-z]+)\s*\Z", re.I)
-_RATE_FORM = "'<amount>/<unit>' or '<amount> per [<count>] <unit>', e.g. '5/minute', '10/5s'"
+# One rate: "<amount>/[<count>]<unit> [<algorithm> [burst <n>]]", "/" or " per ":
+# "5/minute", "5 per minute", "10/5s", "10 per 5 minutes sliding", "5/second gcra burst 20".
+_RATE = re.compile(
+    r"\s*(\d+)\s*(?:/|\s+per\s+)\s*(\d+(?:\.\d+)?)?\s*([A-Za-z]+)"
+    r"(?:\s+([A-Za-z]+)(?:\s+burst\s+(\d+))?)?\s*\Z",
+    re.I,
+)
+RATE_GRAMMAR = (
+    "'<amount>/[<count>]<unit> [fixed | sliding | gcra [burst <n>]]' ('per' for '/'),"
+    " e.g. '5/minute', '10 per 5 seconds sliding', '5/second gcra burst 20'"
+)
+
+
+def _default_name(amount: int, window: float, algorithm: Algorithm, burst: int) -> str:
+    """A limit's name when none is given: its rate and, but for fixed windows, its algorithm
+    (a fixed window's is as it always was, so its counters keep their meaning)."""
+    name = f"{amount}-per-{window:g}s"
+    if algorithm == "gcra":
+        return name + ("-gcra" if burst == amount else f"-gcra-burst-{burst}")
+    return name if algorithm == "fixed" else f"{name}-{algorithm}"
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -43,8 +63,10 @@ class Limit:
     ``"sliding"``: the previous window's count weighted by its remaining overlap.
     ``"gcra"``: a bucket of ``burst`` requests (default ``amount``) refilled at
     ``amount`` per ``window``. docs/design.md ("Policies") states each exactly.
-    ``Limit("5/minute")`` (or ``"5 per minute"``, ``"10/5s"``) reads a rate
-    string; :meth:`parse` reads several (``"100/day; 10/second"``).
+    ``Limit("5/minute")`` reads a rate string (:data:`RATE_GRAMMAR`: ``"5 per
+    minute"``, ``"10/5s sliding"``, ``"5/second gcra burst 20"``); :meth:`parse`
+    reads several (``"100/day; 10/second"``). ``name`` defaults to the rate
+    (``"5-per-60s"``; ``"10-per-5s-sliding"``, ``"5-per-1s-gcra-burst-20"``).
     """
 
     amount: int
@@ -60,7 +82,7 @@ class Limit:
         window: float | None = None,
         name: str = "",
         *,
-        algorithm: Algorithm = "fixed",
+        algorithm: Algorithm | None = None,
         burst: int | None = None,
     ) -> None:
         if isinstance(amount, str):
@@ -68,12 +90,14 @@ class Limit:
                 raise ConfigurationError(
                     f"a rate string carries its own window; got Limit({amount!r}, {window!r})"
                 )
-            parsed = Limit.parse(amount)
-            if len(parsed) != 1:
+            pieces = _pieces(amount)
+            if len(pieces) != 1:
                 raise ConfigurationError(
                     f"Limit() takes one rate, got {amount!r}; use Limit.parse() for several"
                 )
-            amount, window = parsed[0].amount, parsed[0].window
+            amount, window, said, bursting = _parse_rate(pieces[0])
+            algorithm = _once("algorithm", said, algorithm)
+            burst = _once("burst", bursting, burst)
         if isinstance(amount, bool) or not isinstance(amount, int) or amount < 1:
             raise ConfigurationError(f"limit amount must be an integer >= 1, got {amount!r}")
         if (
@@ -82,11 +106,9 @@ class Limit:
             or window <= 0
         ):
             raise ConfigurationError(f"limit window must be > 0 seconds, got {window!r}")
-        if not name:
-            name = f"{amount}-per-{window:g}s"
-        elif not isinstance(name, str) or not _NAME.match(name):
-            raise ConfigurationError(f"limit name must be {_NAME_RULE}, got {name!r}")
-        if algorithm not in ALGORITHMS:
+        if algorithm is None:
+            algorithm = "fixed"
+        elif algorithm not in ALGORITHMS:
             raise ConfigurationError(
                 f"limit algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
             )
@@ -96,6 +118,10 @@ class Limit:
             raise ConfigurationError(f"a burst applies to gcra limits only, got {algorithm!r}")
         elif isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ConfigurationError(f"limit burst must be an integer >= 1, got {burst!r}")
+        if not name:
+            name = _default_name(amount, window, algorithm, burst)
+        elif not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigurationError(f"limit name must be {_NAME_RULE}, got {name!r}")
         object.__setattr__(self, "amount", amount)
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "name", name)
@@ -104,28 +130,65 @@ class Limit:
 
     @staticmethod
     def parse(text: str) -> tuple[Limit, ...]:
-        """The limits of a rate string: rates separated by ``;`` or ``,``."""
-        if not isinstance(text, str):
-            raise ConfigurationError(f"a rate string must be a str, got {text!r}")
-        pieces = [p for p in re.split(r"[;,]", text) if p.strip()]
-        if not pieces:
-            raise ConfigurationError(f"a rate string needs at least one rate, got {text!r}")
-        limits: list[Limit] = []
-        for piece in pieces:
-            match = _RATE.match(piece)
-            if match is None:
-                raise ConfigurationError(f"invalid rate {piece.strip()!r}: expected {_RATE_FORM}")
-            amount, count, unit = match.groups()
-            seconds = _UNITS.get(unit.lower())
-            if seconds is None:
-                raise ConfigurationError(
-                    f"invalid rate {piece.strip()!r}: unknown unit {unit!r}"
-                    " (use second, minute, hour or day)"
-                )
-            multiple = 1.0 if count is None else float(count)
-            window = seconds * multiple
-            limits.append(Limit(int(amount), int(window) if window.is_integer() else window))
-        return tuple(limits)
+        """The limits of a rate string: rates (:data:`RATE_GRAMMAR`) separated by ``;`` or
+        ``,``."""
+        return tuple(
+            Limit(amount, window, algorithm=algorithm, burst=burst)
+            for amount, window, algorithm, burst in map(_parse_rate, _pieces(text))
+        )
+
+
+def _pieces(text: str) -> list[str]:
+    """The rates of a rate string, each stripped."""
+    if not isinstance(text, str):
+        raise ConfigurationError(f"a rate string must be a str, got {text!r}")
+    pieces = [p.strip() for p in re.split(r"[;,]", text) if p.strip()]
+    if not pieces:
+        raise ConfigurationError(f"a rate string needs at least one rate, got {text!r}")
+    return pieces
+
+
+def _parse_rate(piece: str) -> tuple[int, float, Algorithm | None, int | None]:
+    """One rate's amount, window, and the algorithm and burst it names (None: not named)."""
+    match = _RATE.match(piece)
+    if match is None:
+        raise ConfigurationError(f"invalid rate {piece!r}: expected {RATE_GRAMMAR}")
+    amount, count, unit, named, burst = match.groups()
+    seconds = _UNITS.get(unit.lower())
+    if seconds is None:
+        raise ConfigurationError(
+            f"invalid rate {piece!r}: unknown unit {unit!r} (use second, minute, hour or day);"
+            f" expected {RATE_GRAMMAR}"
+        )
+    algorithm: Algorithm | None = None
+    if named is not None:
+        for known in ALGORITHMS:
+            if named.lower() == known:
+                algorithm = known
+        if algorithm is None:
+            raise ConfigurationError(
+                f"invalid rate {piece!r}: unknown algorithm {named!r}; expected {RATE_GRAMMAR}"
+            )
+        if burst is not None and algorithm != "gcra":
+            raise ConfigurationError(
+                f"invalid rate {piece!r}: a burst applies to gcra only; expected {RATE_GRAMMAR}"
+            )
+    window = seconds * (1.0 if count is None else float(count))
+    return (
+        int(amount),
+        int(window) if window.is_integer() else window,
+        algorithm,
+        None if burst is None else int(burst),
+    )
+
+
+def _once(what: str, said: _T | None, given: _T | None) -> _T | None:
+    """A setting a rate string and a keyword may both give: the one given, or both alike."""
+    if said is None or given is None or said == given:
+        return given if said is None else said
+    raise ConfigurationError(
+        f"the rate string says {what} {said!r} and the keyword {what}={given!r}; give it once"
+    )
 
 
 def _limits_of(limits: Iterable[Limit | str] | Limit | str) -> tuple[Limit, ...]:
