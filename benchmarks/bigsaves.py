@@ -65,7 +65,11 @@ def create_app() -> Any:
         pool=pool,
         rules=IdempotencyRule("/big", methods=["POST"]),
         max_stored=2 * MIB,
-        quota=Quota(scope_bytes=1 << 40, total_bytes=1 << 40),
+        quota=Quota(
+            scope_bytes=1 << 40,
+            total_bytes=1 << 40,
+            **({"client_bytes": 1 << 40} if "client_bytes" in Quota.__dataclass_fields__ else {}),
+        ),
     )
     app.add_middleware(
         RateLimitMiddleware, pool=pool, rules=Rule(Limit(10**9, 3600)), exempt=("/health",)

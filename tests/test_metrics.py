@@ -145,7 +145,7 @@ async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def test_responses_over_quota_are_counted_as_unstored(tmp_path: Path) -> None:
+async def test_requests_refused_over_quota_are_counted(tmp_path: Path) -> None:
     from porch import Quota
 
     metrics = PorchMetrics()
@@ -156,15 +156,20 @@ async def test_responses_over_quota_are_counted_as_unstored(tmp_path: Path) -> N
         await send({"type": "http.response.start", "status": 201, "headers": []})
         await send({"type": "http.response.body", "body": b"x" * 1000})
 
-    app = IdempotencyMiddleware(big, pool=pool, quota=Quota(scope_bytes=1500))
+    quota = Quota(scope_bytes=2000, total_bytes=2000, client_bytes=2000)
+    app = IdempotencyMiddleware(big, pool=pool, quota=quota, max_stored=1100)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            for key in ("a", "b", "c"):
-                r = await c.post("/o", content=b"{}", headers={"idempotency-key": key})
-                assert r.status_code == 201
+            codes = [
+                (await c.post("/o", content=b"{}", headers={"idempotency-key": key})).status_code
+                for key in ("a", "b", "c")
+            ]
         found = await scrape(metrics)
     finally:
         await pool.close()
-    assert found[("porch_idempotency_unstored_total", (("reason", "quota"),))] == 2
+    # The first stores ~1 kB; the next two cannot reserve 1100 more: refused, never run.
+    assert codes == [201, 429, 429]
+    assert found[("porch_idempotency_requests_total", (("outcome", "quota"),))] == 2
+    assert found[("porch_idempotency_unstored_total", (("reason", "quota"),))] == 0
     assert found[("porch_idempotency_unstored_total", (("reason", "fenced"),))] == 0

@@ -45,8 +45,16 @@ class Watched(Protocol):
         ...
 
 
-IDEMPOTENCY_OUTCOMES = ("executed", "replayed", "mismatch", "conflict", "invalid", "too_large")
-UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified")
+IDEMPOTENCY_OUTCOMES = (
+    "executed",
+    "replayed",
+    "mismatch",
+    "conflict",
+    "invalid",
+    "too_large",
+    "quota",
+)
+UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified", "quota")
 UNSTORED_REASONS = ("quota", "fenced")
 
 _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -96,7 +104,7 @@ class PorchMetrics:
         self.idempotency_requests = prom.Counter(
             "porch_idempotency_requests",
             "Keyed requests, by outcome (executed, replayed, mismatch, conflict, invalid,"
-            " too_large).",
+            " too_large, quota).",
             ["outcome"],
             registry=target,
         )
@@ -109,7 +117,7 @@ class PorchMetrics:
         )
         self.unavailable = prom.Counter(
             "porch_unavailable",
-            "Requests answered 503, by cause (saturated, store, unidentified).",
+            "Requests answered 503, by cause (saturated, store, unidentified, quota).",
             ["cause"],
             registry=target,
         )

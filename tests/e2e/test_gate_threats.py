@@ -157,35 +157,40 @@ def test_one_client_cannot_grow_the_store_past_its_quota(
 ) -> None:
     # Catches: no cap on stored response bytes per caller (finding 3). The outside
     # check, as worded: 400 keyed demo orders with 64 KiB items from one client grow
-    # porch's files by at most 16 MiB: each is a 201 echoing its 64 KiB item.
+    # porch's files by at most 16 MiB. Each is a 201 echoing its 64 KiB item until the
+    # client's quota is full; then a 429 before the order is taken (issue 26).
     server = demo.start(limit=1000, window=600)
     with http(server) as c:
         assert c.get("/products").status_code == 200
         before = porch_bytes(server.data_dir)
         item = "x" * (64 * 1024)
-        for i in range(400):
-            r = c.post("/orders", content=order(item), headers=keyed(f"big-{i}"))
-            assert r.status_code == 201, r.text[:200]
+        codes = [
+            c.post("/orders", content=order(item), headers=keyed(f"big-{i}")).status_code
+            for i in range(400)
+        ]
     growth = porch_bytes(server.data_dir) - before
     assert growth <= 16 * MIB, f"porch's files grew by {growth / MIB:.1f} MiB"
+    stored = codes.count(201)
+    assert codes == [201] * stored + [429] * (400 - stored)
+    assert stored * 64 * 1024 >= 3 * MIB  # the quota (4 MiB per client) was used
+    assert orders_count(server) == stored  # a refused order never ran
 
-    # A real uvicorn app behind porch with the default Quota (8 MiB per caller) whose
-    # handler answers 64 KiB: 400 keyed requests, 25 MiB of responses, every one a 201.
+    # A real uvicorn app behind porch with the default Quota (8 MiB per caller, 4 MiB per
+    # client) whose handler answers 64 KiB: 400 keyed requests, 25 MiB of responses.
     (tmp_path / "flaky").mkdir()
     app = FlakyServer(tmp_path / "flaky")
     app.start()
     try:
         with httpx.Client(base_url=app.base_url, timeout=30.0) as c:
             before = porch_bytes(app.data_dir)
-            sent = 0
-            for i in range(400):
-                r = c.post(
+            answers = [
+                c.post(
                     "/ok?pad=65536",
                     content=json.dumps({"tag": f"t{i}"}).encode(),
                     headers=keyed(f"big-{i}"),
                 )
-                assert r.status_code == 201, r.text[:200]
-                sent += len(r.content)
+                for i in range(400)
+            ]
             replay = c.post(
                 "/ok?pad=65536", content=json.dumps({"tag": "t0"}).encode(), headers=keyed("big-0")
             )
@@ -194,14 +199,50 @@ def test_one_client_cannot_grow_the_store_past_its_quota(
                 content=json.dumps({"tag": "t399"}).encode(),
                 headers=keyed("big-399"),
             )
-        assert sent >= 25 * MIB
+        codes = [r.status_code for r in answers]
+        stored = codes.count(201)
+        assert codes == [201] * stored + [429] * (400 - stored)
+        assert answers[-1].json()["cause"] == "quota"
         assert replay.headers["idempotent-replayed"] == "true"  # the first ones were stored
-        assert "idempotent-replayed" not in over.headers  # the last ones were over the quota
+        assert over.status_code == 429  # the last ones never ran, and still do not
         growth = porch_bytes(app.data_dir) - before
-        print(f"porch's files grew by {growth / MIB:.1f} MiB for {sent / MIB:.1f} MiB sent")
+        sent = sum(len(r.content) for r in answers if r.status_code == 201)
+        print(f"porch's files grew by {growth / MIB:.1f} MiB for {sent / MIB:.1f} MiB stored")
         assert growth <= 16 * MIB, f"porch's files grew by {growth / MIB:.1f} MiB"
     finally:
         app.stop()
+
+
+def test_new_cookies_buy_no_new_room(demo: DemoLauncher) -> None:
+    # Catches: each new Cookie was a new scope with its own 8 MiB, so one address grew
+    # porch's files by 42 MiB and filled the store (issue 26, finding 1). The outside
+    # check, as worded: 600 keyed orders with 64 KiB items from one address, each with
+    # a different Cookie, grow porch's files by at most 16 MiB.
+    server = demo.start(limit=1000, window=600)
+    item = "x" * (64 * 1024)
+    with http(server) as c:
+        assert c.get("/products").status_code == 200
+        before = porch_bytes(server.data_dir)
+        answers = [
+            c.post(
+                "/orders",
+                content=order(item),
+                headers={**keyed(f"cookie-{i}"), "cookie": f"junk={i}"},
+            )
+            for i in range(600)
+        ]
+        # Another address still has its own room.
+    with http(server, BOB) as bob:
+        theirs = bob.post("/orders", content=order(item), headers=keyed("bob-1"))
+    growth = porch_bytes(server.data_dir) - before
+    print(f"porch's files grew by {growth / MIB:.1f} MiB for 600 orders with new cookies")
+    assert growth <= 16 * MIB, f"porch's files grew by {growth / MIB:.1f} MiB"
+    codes = [r.status_code for r in answers]
+    stored = codes.count(201)
+    assert codes == [201] * stored + [429] * (600 - stored)
+    assert {r.json()["cause"] for r in answers[stored:]} == {"quota"}
+    assert theirs.status_code == 201
+    assert orders_count(server) == stored + 1  # no refused order ran
 
 
 def test_porchs_files_are_not_readable_by_other_users(demo: DemoLauncher) -> None:

@@ -611,25 +611,29 @@ async def test_a_waiter_past_its_deadline_leaves_the_waiter_list_at_once(
     assert parked_waiters(pool) == []
 
 
-async def test_over_quota_the_response_is_sent_not_stored_and_warned_once(
+async def test_over_quota_a_keyed_request_is_refused_before_it_runs(
     make: Make, handler: Handler, caplog: pytest.LogCaptureFixture
 ) -> None:
-    handler.body_size = 1000  # about 1.1 kB stored per response: two fit in 2500 bytes
-    async with make(quota=Quota(scope_bytes=2500, total_bytes=1 << 20)) as c:
+    # Each claim reserves max_stored (1200) bytes; a stored response is about 1.1 kB.
+    handler.body_size = 1000
+    quota = Quota(scope_bytes=2500, total_bytes=1 << 20, client_bytes=1 << 20)
+    async with make(quota=quota, max_stored=1200) as c:
 
         async def post(key: str, caller: str) -> httpx.Response:
-            c.cookies.clear()  # the handler sets a cookie, and a cookie is another caller
             return await c.post("/o", content=b"b", headers=keyed(key, authorization=caller))
 
         first = [await post(f"k{i}", "Bearer alice") for i in range(4)]
-        replays = [await post(f"k{i}", "Bearer alice") for i in range(4)]
+        again = [await post(f"k{i}", "Bearer alice") for i in range(4)]
         bob = await post("k3", "Bearer bob")
         bob2 = await post("k3", "Bearer bob")
-    # Every response is sent whole, stored or not.
-    assert [(r.status_code, len(r.content)) for r in first] == [(201, 1000)] * 4
-    # Only what fit in alice's quota replays; the rest ran again.
-    assert ["idempotent-replayed" in r.headers for r in replays] == [True, True, False, False]
-    assert handler.calls == 4 + 2 + 1
+    # Two fit alice's quota (1100 stored + 1200 reserved <= 2500); the others never ran.
+    assert [r.status_code for r in first] == [201, 201, 429, 429]
+    assert [r.status_code for r in again] == [201, 201, 429, 429]
+    assert ["idempotent-replayed" in r.headers for r in again] == [True, True, False, False]
+    refused = first[2]
+    assert refused.json()["cause"] == "quota"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert handler.calls == 2 + 1  # alice's two, bob's one: no retry ran a handler twice
     # Another caller has a quota of its own.
     assert bob2.headers["idempotent-replayed"] == "true"
     assert bob2.content == bob.content
@@ -637,11 +641,37 @@ async def test_over_quota_the_response_is_sent_not_stored_and_warned_once(
     assert len(warnings) == 1  # four refusals, one warning: throttled per scope
 
 
+async def test_new_credentials_buy_no_new_room_and_a_full_store_is_503(
+    make: Make, handler: Handler, pool: KeyPool
+) -> None:
+    # Catches: each new Cookie was a new scope with its own quota (issue 26, finding 1).
+    handler.body_size = 1000
+    quota = Quota(scope_bytes=1 << 20, total_bytes=1 << 20, client_bytes=2500)
+    async with make(quota=quota, max_stored=1200) as c:
+        codes = [
+            (await c.post("/o", content=b"b", headers=keyed("k", cookie=f"s={i}"))).status_code
+            for i in range(4)
+        ]
+    assert codes == [201, 201, 429, 429]
+    assert handler.calls == 2
+    full = Quota(scope_bytes=2500, total_bytes=2500, client_bytes=2500)
+    app = IdempotencyMiddleware(handler, pool=pool, quota=full, max_stored=1200)
+    transport = httpx.ASGITransport(app=app, client=("10.9.9.9", 1))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        # The store holds the two responses above: another client finds it full.
+        other = await c.post("/o", content=b"b", headers=keyed("k", authorization="Bearer x"))
+    assert other.status_code == 503
+    assert other.json()["cause"] == "quota"
+    assert handler.calls == 2
+
+
 @pytest.mark.parametrize(
     ("quota", "message"),
     [
         (Quota(scope_bytes=0), "quota.scope_bytes must be >= 1"),
         (Quota(scope_bytes=10, total_bytes=5), "quota.total_bytes must be >= quota.scope_bytes"),
+        (Quota(client_bytes=0), "quota.client_bytes must be >= 1"),
+        (Quota(scope_bytes=1000), "must hold max_stored=1048576 bytes"),
         ("8 MiB", "quota must be a porch Quota"),
     ],
 )

@@ -144,6 +144,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         quota=Quota(
             scope_bytes=quota_bytes(config.max_stored, DEFAULT_QUOTA.scope_bytes),
             total_bytes=max(DEFAULT_QUOTA.total_bytes, 4 * quota_bytes(config.max_stored, 0)),
+            client_bytes=quota_bytes(config.max_stored, DEFAULT_QUOTA.client_bytes),
         ),
         scope=CallerScope(identity=identity),
     )

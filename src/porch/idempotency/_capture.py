@@ -15,9 +15,9 @@ from typing import Protocol
 
 from .._types import Message, Send
 from ..errors import PoolClosedError, StoreError
-from ..store.base import StoredResponse
+from ..store.base import StoredResponse, stored_size
 from ._events import IdempotencyEvents
-from ._ownership import Report
+from ._ownership import Report, Reservation
 
 __all__ = ["REPLAYED_HEADERS", "TOKEN", "Capture", "Owner", "storable"]
 
@@ -57,7 +57,7 @@ class Owner(Protocol):
         self,
         key: str,
         token: int,
-        caller: str,
+        reservation: Reservation,
         response: StoredResponse | None,
         shard: int,
         ttl: float | None = None,
@@ -153,6 +153,7 @@ class Capture:
         "owner",
         "policy",
         "reported",
+        "reservation",
         "send",
         "shard",
         "size",
@@ -168,7 +169,7 @@ class Capture:
         policy: CapturePolicy,
         key: str,
         token: int,
-        caller: str,
+        reservation: Reservation,
         digest: bytes,
         shard: int,
     ) -> None:
@@ -177,7 +178,8 @@ class Capture:
         self.policy = policy
         self.key = key
         self.token = token
-        self.caller = caller
+        self.reservation = reservation
+        self.caller = reservation.scope
         self.digest = digest
         self.shard = shard  # the key's shard (KeyPool.submit's answer to the Acquire)
         self.status = 0
@@ -192,7 +194,7 @@ class Capture:
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
         return self.owner.report_owner(
-            self.key, self.token, self.caller, response, self.shard, self.policy.ttl
+            self.key, self.token, self.reservation, response, self.shard, self.policy.ttl
         )
 
     async def __call__(self, message: Message) -> None:
@@ -200,6 +202,9 @@ class Capture:
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers, self.invalid = head(message.get("headers", ()), self.owner.header_names)
+            # What is stored counts against max_stored (the bytes its claim reserved): the
+            # key, digest and replayed headers, then the body as it streams.
+            self.size = stored_size(self.key, StoredResponse(self.digest, 0, self.headers, b""))
             # Held until the first body chunk: a one-chunk response (the usual
             # kind) then leaves as head and body together, after its commit,
             # not as a head now and a body a commit later.
@@ -258,7 +263,7 @@ class Capture:
             )
             return
         if outcome == "quota":
-            self.owner.events.over_quota(self.caller)
+            self.owner.events.unstored_over_quota(self.caller)
         elif outcome == "fenced":
             self.owner.events.count_unstored("fenced")
             # Another owner claimed the key meanwhile (this claim had ended): its

@@ -66,19 +66,47 @@ class IdempotencyEvents:
         if self._unstored is not None:
             self._unstored[reason].inc()
 
-    def over_quota(self, caller: str) -> None:
-        self.count_unstored("quota")
-        # A client over its quota must not choose the log volume: once a minute per scope.
+    def over_quota(self, caller: str, client: str, bucket: str, status: int) -> None:
+        """A keyed request refused before it ran: its response could not be stored."""
+        if self.outcomes is not None:
+            self.outcomes["quota"].inc()
+        if status == 503 and self._causes is not None:
+            self._causes["quota"].inc()
+        # A client over its quota must not choose the log volume: once a minute per
+        # scope (or client, or the store) whose quota is full.
+        owner = {"scope": caller, "client": client, "total": ""}.get(bucket, "")
         self.log.event(
             logging.WARNING,
-            ("quota", caller),
+            ("quota", bucket, owner),
             asyncio.get_running_loop().time(),
             60.0,
-            "porch: stored responses of scope %r would exceed the quota (%d bytes per scope,"
-            " %d in total); a response was sent but not stored, its key released",
-            caller[:64],
+            "porch: refused a keyed request before it ran (%d): the %s quota of %r is full"
+            " (%d bytes per scope, %d per client, %d in total)",
+            status,
+            bucket,
+            owner[:64] if owner else "the store",
             self.quota.scope_bytes,
+            self.quota.client_bytes,
             self.quota.total_bytes,
+            scope=caller,
+            client=client,
+            outcome="quota",
+            cause="quota",
+            status=status,
+        )
+
+    def unstored_over_quota(self, caller: str) -> None:
+        """A response sent but not stored: over a quota at its save (it reserved less than
+        it needed: a save without a claim, or a store that lost the reservation)."""
+        self.count_unstored("quota")
+        self.log.event(
+            logging.WARNING,
+            ("unstored", caller),
+            asyncio.get_running_loop().time(),
+            60.0,
+            "porch: a response of scope %r was sent but not stored: over the quota at its"
+            " save; its key released",
+            caller[:64],
             scope=caller,
             outcome="quota",
         )

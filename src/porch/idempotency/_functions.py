@@ -220,7 +220,10 @@ class IdempotentFunction(Generic[P, R]):
         self, key: str, token: int, shard: int, stored: StoredResponse | None
     ) -> asyncio.Future[Report]:
         done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
-        call = Complete.of(done, key, token, stored, self.policy.ttl, self.scope, self.quota)
+        # No client address here: the function's scope is its caller, for both quotas.
+        call = Complete.of(
+            done, key, token, stored, self.policy.ttl, self.scope, self.quota, self.scope
+        )
         try:
             self.pool.submit(key, call, must_deliver=True, shard=shard)
         except Exception as exc:  # the pool closed: the store ends the claim itself

@@ -137,6 +137,11 @@ class CallerScope:
             identity if identity is not None else ClientIdentity()
         )
 
+    @property
+    def identity(self) -> Callable[[Scope], str]:
+        """The client identity an anonymous caller is scoped by (and quotas count under)."""
+        return self._identity
+
     def __call__(self, scope: Scope) -> str:
         h: hashlib.blake2b | None = None
         for name, value in scope["headers"]:

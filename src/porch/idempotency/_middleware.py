@@ -26,6 +26,7 @@ from ..errors import (
     StoreError,
     UnidentifiedCallerError,
 )
+from ..identity import ClientIdentity, KeyFunc
 from ..pool._pool import KeyPool
 from ..store.base import Quota, StoredResponse
 from ._capture import Capture
@@ -37,7 +38,17 @@ from ._keys import (
     ScopeFunc,
     parse_key,
 )
-from ._ownership import OWNER, Acquire, Complete, Mismatch, Outcome, Report
+from ._ownership import (
+    OWNER,
+    Acquire,
+    Complete,
+    Mismatch,
+    Outcome,
+    QuotaFull,
+    Report,
+    Reservation,
+    check_quota,
+)
 from ._policy import IdempotencyPolicy
 from ._rules import IdempotencyRule, select
 
@@ -46,7 +57,7 @@ __all__ = ["DEFAULT_QUOTA", "IdempotencyMiddleware", "IdempotencyPolicy", "Idemp
 logger = logging.getLogger("porch.idempotency")
 
 DEFAULT_RULE = IdempotencyRule()  # frozen: POST and PATCH on every path, key optional
-DEFAULT_QUOTA = Quota()  # frozen: 8 MiB of stored responses per caller scope, 1 GiB in total
+DEFAULT_QUOTA = Quota()  # frozen: 8 MiB per caller scope, 4 MiB per client, 1 GiB in total
 
 
 class IdempotencyMiddleware:
@@ -62,12 +73,16 @@ class IdempotencyMiddleware:
     that policy. Responses are kept ``ttl`` seconds. A duplicate waits for a running
     owner at most ``wait_timeout`` seconds (then 409).
     Keyed bodies over ``max_body`` bytes are refused with 413; responses over
-    ``max_stored`` bytes are sent but not stored, and the key is released as if
-    the owner had failed (the next duplicate runs the handler). ``quota`` caps
-    the bytes of live stored responses per caller scope and in the whole store:
-    a response that would go past it is sent, not stored (a warning, at most
-    one per scope a minute), and its key released. ``enabled=False`` passes
-    every request through untouched and never opens the store (an off switch for tests).
+    ``max_stored`` bytes (key, digest, replayed headers and body) are sent but not
+    stored, and the key is released as if the owner had failed (the next
+    duplicate runs the handler). ``quota`` caps the bytes of live stored
+    responses per caller scope, per client identity (``identity``: default, the
+    ``CallerScope``'s, else :class:`ClientIdentity`) whatever scopes it presents,
+    and in the whole store. Before the handler runs, its claim reserves its
+    rule's ``max_stored`` bytes under all three: when one is full the request is
+    refused (429, or 503 for the store's), so a handler never runs for a response
+    that could not be stored. ``enabled=False`` passes every request through
+    untouched and never opens the store (an off switch for tests).
     """
 
     def __init__(
@@ -84,6 +99,7 @@ class IdempotencyMiddleware:
         max_stored: int | None = None,
         retry_after: int = 1,
         quota: Quota = DEFAULT_QUOTA,
+        identity: KeyFunc | None = None,
         enabled: bool = True,
     ) -> None:
         rules = (rules,) if isinstance(rules, IdempotencyRule) else tuple(rules)
@@ -107,22 +123,22 @@ class IdempotencyMiddleware:
         policy = base.replace(**legacy) if legacy else base
         if retry_after < 1:
             raise ConfigurationError(f"retry_after must be >= 1 second, got {retry_after}")
-        if not isinstance(quota, Quota):
-            raise ConfigurationError("quota must be a porch Quota")
-        if quota.scope_bytes < 1:
-            raise ConfigurationError(f"quota.scope_bytes must be >= 1, got {quota.scope_bytes}")
-        if quota.total_bytes < quota.scope_bytes:
-            raise ConfigurationError(
-                f"quota.total_bytes must be >= quota.scope_bytes ({quota.scope_bytes}),"
-                f" got {quota.total_bytes}"
-            )
+        if identity is not None and not callable(identity):
+            raise ConfigurationError(f"identity must be a callable(scope) -> str, got {identity!r}")
         self.app = app
         self.pool = pool
         self.enabled = enabled
         self.policy = policy
         # Each rule with the policy it gets, resolved once.
         self._rules = tuple((rule, rule.resolve(policy)) for rule in rules)
+        # Every keyed request reserves its rule's max_stored: each cap must hold one.
+        check_quota(quota, max(resolved.max_stored for _, resolved in self._rules))
         self._scope: ScopeFunc = scope if scope is not None else CallerScope()
+        if identity is None:
+            # The caller scope's own identity (the limiter's, when the app gave it one).
+            caller = self._scope
+            identity = caller.identity if isinstance(caller, CallerScope) else ClientIdentity()
+        self._identity: KeyFunc = identity
         # The default policy's, as before policies (each rule may say otherwise).
         self.ttl = policy.ttl
         self.wait_timeout = policy.wait_timeout
@@ -212,6 +228,9 @@ class IdempotencyMiddleware:
             if not self.pool.started:
                 await self.pool.start()  # its store's secret keys the caller's digest
             caller = self._caller(scope)
+            # Whose quota the response counts against (a key function may be async).
+            found = self._identity(scope)
+            client = found if isinstance(found, str) else await found
         except (StoreError, PoolClosedError) as exc:
             await self._store_failed(scope, receive, send, exc)
             return
@@ -251,7 +270,10 @@ class IdempotencyMiddleware:
                 scope, receive, send
             )
             return
-        await self._keyed(scope, receive, send, policy, caller, f"{caller}\x1f{key}", digest, body)
+        reservation = Reservation(caller, client, self.quota, policy.max_stored)
+        await self._keyed(
+            scope, receive, send, policy, reservation, f"{caller}\x1f{key}", digest, body
+        )
 
     def _caller(self, scope: Scope) -> str:
         """The request's caller scope: the scope function, handed the store's secret (in a
@@ -306,7 +328,7 @@ class IdempotencyMiddleware:
         receive: Receive,
         send: Send,
         policy: IdempotencyPolicy,
-        caller: str,
+        reservation: Reservation,
         key: str,
         digest: bytes,
         body: bytes,
@@ -320,14 +342,14 @@ class IdempotencyMiddleware:
             future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
             # Parked behind a running owner costs a parked task, no polling. The
             # shard arms the wait_timeout deadline only if the call has to wait.
-            acquire = Acquire(future, key, digest, wait)
+            acquire = Acquire(future, key, digest, wait, reservation)
             shard = pool.submit(key, acquire)
             try:
                 outcome = await future
             except asyncio.CancelledError:
                 # Cancelled just as ownership arrived: the claim must not be left held.
                 if future.done() and not future.cancelled() and future.result() is OWNER:
-                    self.report_owner(key, acquire.token, caller, None, shard)
+                    self.report_owner(key, acquire.token, reservation, None, shard)
                 raise
         except TimeoutError:
             self.events.event(
@@ -377,11 +399,39 @@ class IdempotencyMiddleware:
             await problem(422, "this Idempotency-Key was used for a different request")(
                 scope, receive, send
             )
+        elif isinstance(outcome, QuotaFull):
+            await self._over_quota(scope, receive, send, reservation, outcome)
         elif outcome is OWNER:
             if outcomes is not None:
                 outcomes["executed"].inc()
-            capture = Capture(send, self, policy, key, acquire.token, caller, digest, shard)
+            capture = Capture(send, self, policy, key, acquire.token, reservation, digest, shard)
             await self._run_owner(scope, receive, capture, body)
+
+    async def _over_quota(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        reservation: Reservation,
+        full: QuotaFull,
+    ) -> None:
+        """Refuse a request whose response could not be stored: before its handler runs,
+        so no retry ever runs it twice because of a quota. The caller's own quotas (its
+        scope's, its client's) are its to wait out: 429; the store's is not: 503."""
+        status = 503 if full.bucket == "total" else 429
+        self.events.over_quota(reservation.scope, reservation.client, full.bucket, status)
+        whose = {
+            "scope": "this caller's stored responses have",
+            "client": "this client's stored responses have",
+            "total": "the store's stored responses have",
+        }[full.bucket]
+        await problem(
+            status,
+            f"{whose} reached their quota: a response to this request could not be stored,"
+            " so it was not run; retry once earlier responses expire",
+            cause="quota",
+            headers=self._retry_after,
+        )(scope, receive, send)
 
     async def _run_owner(
         self, scope: Scope, receive: Receive, capture: Capture, body: bytes
@@ -398,7 +448,7 @@ class IdempotencyMiddleware:
         self,
         key: str,
         token: int,
-        caller: str,
+        reservation: Reservation,
         response: StoredResponse | None,
         shard: int,
         ttl: float | None = None,
@@ -407,7 +457,9 @@ class IdempotencyMiddleware:
         kept ``ttl`` seconds (default: the middleware's)."""
         done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
         kept = self.ttl if ttl is None else ttl
-        call = Complete.of(done, key, token, response, kept, caller, self.quota)
+        call = Complete.of(
+            done, key, token, response, kept, reservation.scope, self.quota, reservation.client
+        )
         try:
             self.pool.submit(key, call, must_deliver=True, shard=shard)
         except PoolClosedError as exc:

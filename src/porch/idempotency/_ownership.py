@@ -1,8 +1,10 @@
 """Idempotency on the key pool: the four outcomes, decided by the shard that owns the key.
 
 A keyed request sends :class:`Acquire` and gets one of: the stored response
-(digest matches), a mismatch (digest differs), or ownership (nothing stored,
-nobody running). If an owner is running — in this process or in another one
+(digest matches), a mismatch (digest differs), ownership (nothing stored,
+nobody running), or :class:`QuotaFull` (its response could not be stored: the
+claim that would have reserved room for it was refused, so the handler must not
+run). If an owner is running — in this process or in another one
 sharing the store — it gets nothing yet: it stays parked in the shard's
 volatile state until the owner reports. That state dies with the process, so
 a crash never wedges a key.
@@ -27,11 +29,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from ..errors import PoolClosedError, StoreError
+from ..errors import ConfigurationError, PoolClosedError, StoreError
 from ..pool._shard import Call, Shard
-from ..store.base import Claim, Quota, Release, Save, StoredResponse, StoreOp
+from ..store.base import Claim, Quota, QuotaBucket, Release, Save, StoredResponse, StoreOp
 
-__all__ = ["OWNER", "Acquire", "Complete", "Mismatch", "Outcome", "Report"]
+__all__ = [
+    "NO_RESERVATION",
+    "OWNER",
+    "Acquire",
+    "Complete",
+    "Mismatch",
+    "Outcome",
+    "QuotaFull",
+    "Report",
+    "Reservation",
+    "check_quota",
+]
 
 logger = logging.getLogger("porch.idempotency")
 
@@ -55,7 +68,57 @@ class Mismatch:
     stored_digest: bytes
 
 
-Outcome = StoredResponse | Mismatch | _Owner
+@dataclass(frozen=True, slots=True)
+class QuotaFull:
+    """The key's response could not be stored: ``bucket``'s quota is full. Nothing was
+    taken, so the handler must not run (a retry would run it again)."""
+
+    bucket: QuotaBucket
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What a keyed request's claim reserves (see ``Claim``): room for its response in its
+    caller's ``scope``, its ``client``'s and the store's quotas."""
+
+    scope: str
+    client: str
+    quota: Quota | None
+    reserve: int
+
+    def claim(self, key: str) -> Claim:
+        return Claim(
+            key, scope=self.scope, client=self.client, quota=self.quota, reserve=self.reserve
+        )
+
+
+NO_RESERVATION = Reservation("", "", None, 0)
+
+
+def check_quota(quota: object, max_stored: int) -> None:
+    """Raise ConfigurationError unless ``quota`` is a Quota whose caps each hold at least
+    one reservation of ``max_stored`` bytes (every keyed request reserves that much)."""
+    if not isinstance(quota, Quota):
+        raise ConfigurationError("quota must be a porch Quota")
+    for name in ("scope_bytes", "client_bytes", "total_bytes"):
+        cap = getattr(quota, name)
+        if cap < 1:
+            raise ConfigurationError(f"quota.{name} must be >= 1, got {cap}")
+    if quota.total_bytes < max(quota.scope_bytes, quota.client_bytes):
+        raise ConfigurationError(
+            f"quota.total_bytes must be >= quota.scope_bytes and quota.client_bytes"
+            f" ({max(quota.scope_bytes, quota.client_bytes)}), got {quota.total_bytes}"
+        )
+    smallest = min(quota.scope_bytes, quota.client_bytes)
+    if smallest < max_stored:
+        raise ConfigurationError(
+            f"every cap of quota must hold max_stored={max_stored} bytes (a keyed request"
+            f" reserves that much before it runs), got {smallest}: raise the quota or lower"
+            " max_stored"
+        )
+
+
+Outcome = StoredResponse | Mismatch | QuotaFull | _Owner
 Report = Literal["saved", "fenced", "quota", "released"]
 """What became of an owner's report (see ``Save.outcome``); ``released``: not stored."""
 
@@ -63,11 +126,12 @@ Report = Literal["saved", "fenced", "quota", "released"]
 class _InFlight:
     """A key being claimed, run or waited for in this process: its waiters and its claim."""
 
-    __slots__ = ("cancel", "key", "shard", "token", "waiters")
+    __slots__ = ("cancel", "key", "reservation", "shard", "token", "waiters")
 
-    def __init__(self, shard: Shard, key: str) -> None:
+    def __init__(self, shard: Shard, key: str, reservation: Reservation) -> None:
         self.shard = shard
         self.key = key
+        self.reservation = reservation  # the first caller's: every claim of the key makes it
         self.waiters: deque[Acquire] = deque()
         self.token = 0  # > 0 while an owner in this process holds the claim
         self.cancel: Callable[[], None] | None = None  # set while watching a claim elsewhere
@@ -90,6 +154,10 @@ class _InFlight:
         if claim.stored is not None:
             self.forget()
             self.resolve(claim.stored)
+        elif claim.over is not None:
+            # Its response could not be stored: nobody runs the handler for it now.
+            self.forget()
+            self.refuse(QuotaFull(claim.over))
         elif claim.token:
             self.token = claim.token
             while self.waiters:
@@ -147,6 +215,13 @@ class _InFlight:
             if not waiter.future.done():
                 waiter.future.set_result(_answer(stored, waiter.digest))
 
+    def refuse(self, outcome: QuotaFull) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            waiter.state = None
+            if not waiter.future.done():
+                waiter.future.set_result(outcome)
+
     def close(self, exc: BaseException) -> None:
         """Fail whoever waits here (the pool is closing, or the claim failed)."""
         if self.cancel is not None:
@@ -176,15 +251,30 @@ class Acquire(Call):
     ``timeout`` seconds, and leaves the waiter list at once.
     """
 
-    __slots__ = ("claim", "deadline", "digest", "key", "state", "timeout", "token")
+    __slots__ = (
+        "claim",
+        "deadline",
+        "digest",
+        "key",
+        "reservation",
+        "state",
+        "timeout",
+        "token",
+    )
 
     def __init__(
-        self, future: asyncio.Future[Outcome], key: str, digest: bytes, timeout: float
+        self,
+        future: asyncio.Future[Outcome],
+        key: str,
+        digest: bytes,
+        timeout: float,
+        reservation: Reservation = NO_RESERVATION,
     ) -> None:
         super().__init__(future)
         self.key = key
         self.digest = digest
         self.timeout = timeout
+        self.reservation = reservation
         self.token = 0
         self.claim: Claim | None = None
         self.state: _InFlight | None = None  # where it waits, while it waits
@@ -198,10 +288,10 @@ class Acquire(Call):
             return
         # The first caller is the first waiter: the claim's outcome answers it
         # like everyone parked behind it meanwhile (see _InFlight.settle).
-        state = _InFlight(shard, self.key)
+        state = _InFlight(shard, self.key, self.reservation)
         shard.parked[self.key] = state
         state.waiters.append(self)
-        self.claim = Claim(self.key)
+        self.claim = self.reservation.claim(self.key)
         ops.append(self.claim)
 
     def arm(self, state: _InFlight) -> None:
@@ -269,7 +359,7 @@ class _Relook(Call):
         if not state.live():  # everyone waiting gave up meanwhile
             state.forget()
             return
-        self.claim = Claim(state.key)
+        self.claim = state.reservation.claim(state.key)
         ops.append(self.claim)
 
     def finish(self, shard: Shard) -> None:
@@ -313,10 +403,14 @@ class Complete(Call):
         ttl: float,
         scope: str = "",
         quota: Quota | None = None,
+        client: str = "",
     ) -> Complete:
         if response is None:
-            return cls(future, Release(key, token))
-        return cls(future, Save(key, response, ttl, token=token, scope=scope, quota=quota))
+            return cls(future, Release(key, token, scope=scope, client=client))
+        return cls(
+            future,
+            Save(key, response, ttl, token=token, scope=scope, client=client, quota=quota),
+        )
 
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         op = self.op

@@ -35,6 +35,7 @@ __all__ = [
     "Hit",
     "Lookup",
     "Quota",
+    "QuotaBucket",
     "Release",
     "Save",
     "SaveOutcome",
@@ -43,6 +44,7 @@ __all__ = [
     "StoreOp",
     "StoreStatistics",
     "StoredResponse",
+    "stored_size",
 ]
 
 # The size of a store's secret (Store.secret), created once with its schema.
@@ -219,24 +221,81 @@ class Claim:
     claim stays held until a :class:`Save`/:class:`Release` with that token, or
     until the holder dies (backend-defined; a lease is renewed by the store
     itself while the process lives).
+
+    With a ``quota``, taking the claim also reserves ``reserve`` bytes against
+    the caller ``scope``, the ``client`` identity and the whole store, in the
+    same step: if any of the three would pass its cap (live bytes and the
+    reservations of live claims; expired responses and the reservations of
+    claims whose holder is gone are reclaimed first), nothing is taken and
+    ``over`` names it (``"scope"``, ``"client"`` or ``"total"``). The
+    reservation lives as long as the claim: a :class:`Save` with its token
+    replaces it by the response's size, a :class:`Release` (or the holder's
+    death) frees it, so a save of at most ``reserve`` bytes always fits.
     """
 
-    __slots__ = ("held", "key", "retry_after", "stored", "token")
+    __slots__ = (
+        "client",
+        "held",
+        "key",
+        "over",
+        "quota",
+        "reserve",
+        "retry_after",
+        "scope",
+        "stored",
+        "token",
+    )
 
-    def __init__(self, key: str) -> None:
+    def __init__(
+        self,
+        key: str,
+        *,
+        scope: str = "",
+        client: str = "",
+        quota: Quota | None = None,
+        reserve: int = 0,
+    ) -> None:
         self.key = key
+        self.scope = scope
+        self.client = client
+        self.quota = quota
+        self.reserve = reserve
         self.stored: StoredResponse | None = None
         self.token = 0  # > 0 once claimed
         self.held = False
         self.retry_after: float | None = None
+        self.over: QuotaBucket | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """Caps on stored response bytes: per caller scope, and for the whole store."""
+    """Caps on stored response bytes: per caller scope, per client identity (whatever
+    scopes it presents: new credentials buy no new allowance), and for the whole store.
+
+    The client's default is half the scope's: what one address may make porch keep on
+    disk is its stored responses plus the write-ahead log they pass through (the SQLite
+    store's WAL may hold several MiB between checkpoints), and 600 keyed 64 KiB demo
+    orders from one address, each with a new cookie, must grow porch's files by at most
+    16 MiB (tests/e2e/test_gate_threats.py::test_new_cookies_buy_no_new_room)."""
 
     scope_bytes: int = 8 << 20
     total_bytes: int = 1 << 30
+    client_bytes: int = 4 << 20
+
+
+QuotaBucket = Literal["scope", "client", "total"]
+"""Which cap of a :class:`Quota` a claim or save would have passed."""
+
+
+def stored_size(key: str, response: StoredResponse) -> int:
+    """The bytes a stored response counts against its quotas, on every backend: its key,
+    request digest, replayed headers (names and values) and body."""
+    return (
+        len(key.encode("utf-8", "surrogatepass"))
+        + len(response.digest)
+        + sum([len(name) + len(value) for name, value in response.headers])
+        + len(response.body)
+    )
 
 
 SaveOutcome = Literal["pending", "saved", "fenced", "quota"]
@@ -247,13 +306,15 @@ class Save:
 
     ``outcome``: ``"saved"``; ``"fenced"`` when the claim with ``token`` is no
     longer the key's current claim (a newer owner's response is never
-    overwritten; nothing is written); ``"quota"`` when storing would take the
-    caller ``scope`` or the store past ``quota`` (nothing is stored, the claim
-    ends). Live bytes are counted (expired rows do not count). ``token`` 0 saves
-    without a claim (tests and tools only). Waiters elsewhere are woken.
+    overwritten; nothing is written); ``"quota"`` when storing ``size`` bytes
+    (:func:`stored_size`) would take the caller ``scope``, the ``client`` or the
+    store past ``quota`` (nothing is stored, the claim ends). Live bytes are
+    counted (expired rows do not count), the claim's own reservation as freed:
+    a response within it always fits. ``token`` 0 saves without a claim (tests
+    and tools only). Waiters elsewhere are woken.
     """
 
-    __slots__ = ("key", "outcome", "quota", "response", "scope", "token", "ttl")
+    __slots__ = ("client", "key", "outcome", "quota", "response", "scope", "size", "token", "ttl")
 
     def __init__(
         self,
@@ -263,6 +324,7 @@ class Save:
         *,
         token: int = 0,
         scope: str = "",
+        client: str = "",
         quota: Quota | None = None,
     ) -> None:
         self.key = key
@@ -270,21 +332,28 @@ class Save:
         self.ttl = ttl
         self.token = token
         self.scope = scope
+        self.client = client
         self.quota = quota
+        self.size = stored_size(key, response)
         self.outcome: SaveOutcome = "pending"
 
 
 class Release:
     """End the claim with ``token`` without storing anything; waiters elsewhere are woken.
 
-    A token that is no longer current releases nothing (``released`` False).
+    A token that is no longer current releases nothing (``released`` False). The
+    claim's reservation (see :class:`Claim`) is freed; ``scope`` and ``client`` name
+    its owner where a backend keeps the reservation under them (they may be left
+    out: it is then freed when the claim would have lapsed).
     """
 
-    __slots__ = ("key", "released", "token")
+    __slots__ = ("client", "key", "released", "scope", "token")
 
-    def __init__(self, key: str, token: int) -> None:
+    def __init__(self, key: str, token: int, *, scope: str = "", client: str = "") -> None:
         self.key = key
         self.token = token
+        self.scope = scope
+        self.client = client
         self.released = False
 
 

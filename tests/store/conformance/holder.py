@@ -9,6 +9,9 @@ WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``probe-clock``
 blocks its event loop with synchronous work, as a handler doing sync I/O in an
 ``async def`` does, then answers ``blocked``), ``exit``. The tests kill it (-9)
 or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
+
+``PORCH_HOLDER_CLAIM`` (JSON: ``scope``, ``client``, ``reserve`` and ``quota`` as
+``[scope_bytes, total_bytes, client_bytes]``) makes the claim reserve quota bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import time
 
 import porch
-from porch.store.base import Claim, Hit, Release, Save, StoredResponse
+from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
 
 
 def say(**fields: object) -> None:
@@ -32,7 +35,10 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
     store = porch.open_store(url, **options)
     await store.open()
     try:
-        claim = Claim(key)
+        reserving = json.loads(os.environ.get("PORCH_HOLDER_CLAIM", "{}"))
+        if "quota" in reserving:
+            reserving["quota"] = Quota(*reserving["quota"])
+        claim = Claim(key, **reserving)
         if key != "-":
             await store.apply([claim])
         say(pid=os.getpid(), token=claim.token, held=claim.held, stored=claim.stored is not None)

@@ -149,3 +149,38 @@ async def test_stored_bytes_stay_exact_over_slots_prunes_and_purge(
         assert (await stores[0].admin().check()).problems == ()
     finally:
         await asyncio.gather(*(s.close() for s in stores))
+
+
+async def test_purge_recomputes_the_byte_totals_from_the_rows(
+    postgres_url: str, schema: str
+) -> None:
+    # Hosts of an earlier porch (apply_v2) sharing the schema during an upgrade remove
+    # rows without taking them off their client's total: purge puts every total right.
+    store = PostgresStore(postgres_url, schema=schema)
+    await store.open()
+    try:
+        response = StoredResponse(b"d", 201, (), b"x" * 100)
+        save = Save("k", response, 60.0, scope="s", client="c", quota=Quota())
+        claim = Claim("r", scope="s", client="c", quota=Quota(), reserve=500)
+        await store.apply([save, claim])
+        assert (save.outcome, claim.token > 0) == ("saved", True)
+        conn = await asyncpg.connect(postgres_url)
+        try:
+            s = f'"{schema}"'
+            await conn.execute(f"UPDATE {s}.client_usage SET bytes = bytes + 999")
+            await conn.execute(f"UPDATE {s}.usage SET bytes = bytes - 7")
+            await conn.execute(f"UPDATE {s}.usage_total SET bytes = bytes + 5 WHERE slot = 3")
+            assert (await store.admin().check()).problems != ()
+            await store.admin().purge()
+            rows = f"SELECT coalesce(sum(size), 0) FROM {s}.records WHERE client = 'c'"
+            by_client = f"SELECT sum(bytes) FROM {s}.client_usage WHERE client = 'c'"
+            by_scope = f"SELECT sum(bytes) FROM {s}.usage WHERE scope = 's'"
+            expected = await conn.fetchval(rows)
+            assert expected == save.size + 500  # the response and the live reservation
+            assert await conn.fetchval(by_client) == expected
+            assert await conn.fetchval(by_scope) == expected
+        finally:
+            await conn.close()
+        assert (await store.admin().check()).problems == ()
+    finally:
+        await store.close()

@@ -21,7 +21,39 @@ from .schema import SCHEMA_VERSION, quote_schema
 __all__ = ["PostgresAdmin"]
 
 _NOW = "extract(epoch FROM clock_timestamp())"
-_TABLES = ("migrations", "counters", "records", "usage", "usage_total", "meta")
+_TABLES = ("migrations", "counters", "records", "usage", "usage_total", "meta", "client_usage")
+
+
+# Each one statement (one snapshot: a batch commits its rows and its slot together), the
+# difference between the rows and the slots added to the caller's slot ($1).
+_REPAIRS = (
+    """
+    INSERT INTO {s}.usage AS u (scope, slot, bytes)
+        SELECT coalesce(r.scope, g.scope), $1, coalesce(r.b, 0) - coalesce(g.b, 0)
+        FROM (SELECT scope, sum(size) AS b FROM {s}.records WHERE scope IS NOT NULL
+              GROUP BY scope) r
+        FULL JOIN (SELECT scope, sum(bytes) AS b FROM {s}.usage GROUP BY scope) g
+            ON g.scope = r.scope
+        WHERE coalesce(r.b, 0) <> coalesce(g.b, 0)
+        ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    """,
+    """
+    INSERT INTO {s}.client_usage AS u (client, slot, bytes)
+        SELECT coalesce(r.client, g.client), $1, coalesce(r.b, 0) - coalesce(g.b, 0)
+        FROM (SELECT client, sum(size) AS b FROM {s}.records WHERE client IS NOT NULL
+              GROUP BY client) r
+        FULL JOIN (SELECT client, sum(bytes) AS b FROM {s}.client_usage GROUP BY client) g
+            ON g.client = r.client
+        WHERE coalesce(r.b, 0) <> coalesce(g.b, 0)
+        ON CONFLICT (client, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    """,
+    """
+    UPDATE {s}.usage_total SET bytes = bytes
+        + (SELECT coalesce(sum(size), 0) FROM {s}.records)
+        - (SELECT coalesce(sum(bytes), 0) FROM {s}.usage_total)
+        WHERE slot = $1
+    """,
+)
 
 
 class PostgresAdmin:
@@ -150,13 +182,18 @@ class PostgresAdmin:
                     f" WHERE expires <= {_NOW} FOR UPDATE SKIP LOCKED)"
                 )
                 responses = await conn.fetchval(
-                    f"SELECT {s}.prune_responses({_NOW}, $1, NULL, NULL, 2147483647)", slot
+                    f"SELECT {s}.prune_responses_v2({_NOW}, $1, NULL, NULL, NULL, 2147483647)",
+                    slot,
                 )
-                # Claims whose holder died long ago and nobody took over.
-                await conn.execute(
-                    f"DELETE FROM {s}.records WHERE key IN (SELECT key FROM {s}.records"
-                    f" WHERE status IS NULL AND lease_until <= {_NOW} - 60 FOR UPDATE SKIP LOCKED)"
+                # Claims whose holder died long ago and nobody took over (their reservations).
+                await conn.fetchval(
+                    f"SELECT {s}.prune_claims_v1({_NOW} - 60, $1, NULL, NULL, NULL, 2147483647)",
+                    slot,
                 )
+                # The byte totals recomputed from the rows, through this slot: what hosts of
+                # an earlier porch (apply_v2) removed without taking off its client's.
+                for statement in _REPAIRS:
+                    await conn.execute(statement.format(s=s), slot)
         except Exception as exc:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
@@ -184,9 +221,9 @@ class PostgresAdmin:
                     ):
                         problems.append(f"missing table {table}")
                 if not problems:
+                    # Stored responses and the reservations of claims alike.
                     stored = await conn.fetchval(
                         f"SELECT coalesce(sum(size), 0) FROM {self.s}.records"
-                        " WHERE status IS NOT NULL"
                     )
                     total = await conn.fetchval(
                         f"SELECT coalesce(sum(bytes), 0) FROM {self.s}.usage_total"

@@ -9,13 +9,25 @@ from typing import Any
 from ...errors import StoreError
 from .._leases import CLAIM, HeldLeases
 from ..alike import fill_fixed
-from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp
+from ..base import (
+    Claim,
+    Hit,
+    Lookup,
+    Quota,
+    QuotaBucket,
+    Release,
+    Save,
+    Settle,
+    StoredResponse,
+    StoreOp,
+)
 from .hits import HitArrays
 
 __all__ = ["Op", "Renew", "arguments", "settle"]
 
 _HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW = 1, 2, 3, 4, 5, 6
-_NO_QUOTA = (1 << 62, 1 << 62)
+_BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
+_NO_QUOTA = (1 << 62, 1 << 62, 1 << 62)
 
 
 class Renew:
@@ -35,7 +47,7 @@ Op = StoreOp | Renew
 def arguments(
     ops: list[Op], alike: dict[int, list[Hit]], lease: float, prune: int, channel: str
 ) -> list[Any]:
-    """The apply function's 21 arguments for a batch (``alike``: see collapse_hits)."""
+    """The apply function's 25 arguments for a batch (``alike``: see collapse_hits)."""
     n = len(ops)
     kinds = [0] * n
     keys: list[str] = [""] * n
@@ -50,6 +62,10 @@ def arguments(
     scopes: list[str | None] = [None] * n
     scope_caps: list[int | None] = [None] * n
     total_caps: list[int | None] = [None] * n
+    clients: list[str | None] = [None] * n
+    client_caps: list[int | None] = [None] * n
+    reserves: list[int | None] = [None] * n
+    sizes: list[int | None] = [None] * n
     for i, op in enumerate(ops):
         # isinstance narrows each op for the type checker (no casts, no ignores).
         if isinstance(op, Hit):
@@ -65,6 +81,14 @@ def arguments(
             kinds[i] = _LOOKUP
         elif isinstance(op, Claim):
             kinds[i] = _CLAIM
+            quota = op.quota
+            if quota is None:
+                reserves[i] = 0
+            else:
+                reserves[i] = op.reserve
+                scopes[i] = op.scope
+                clients[i] = op.client
+                scope_caps[i], total_caps[i], client_caps[i] = _caps(quota)
         elif isinstance(op, Save):
             kinds[i] = _SAVE
             tokens[i] = op.token
@@ -77,10 +101,9 @@ def arguments(
             bodies[i] = r.body
             ttls[i] = float(op.ttl)
             scopes[i] = op.scope
-            quota = op.quota
-            scope_caps[i], total_caps[i] = (
-                _NO_QUOTA if quota is None else (quota.scope_bytes, quota.total_bytes)
-            )
+            clients[i] = op.client
+            sizes[i] = op.size
+            scope_caps[i], total_caps[i], client_caps[i] = _caps(op.quota)
         elif isinstance(op, Release):
             kinds[i] = _RELEASE
             tokens[i] = op.token
@@ -91,8 +114,15 @@ def arguments(
         kinds, keys, list(hits.ukeys), hits.lidx, hits.lamounts, hits.lwindows, hops,
         hits.hstart, hits.hmult, tokens,
         digests, statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, lease, prune,
-        channel,
+        channel, clients, client_caps, reserves, sizes,
     ]  # fmt: skip
+
+
+def _caps(quota: Quota | None) -> tuple[int, int, int]:
+    """A quota's caps as the function takes them: scope, total, client."""
+    if quota is None:
+        return _NO_QUOTA
+    return quota.scope_bytes, quota.total_bytes, quota.client_bytes
 
 
 def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: HeldLeases) -> None:
@@ -120,6 +150,8 @@ def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: He
             elif code == 2:
                 claim.held = True
                 claim.retry_after = row[3]
+            elif code == 4:  # over a quota: row[3] says which (1 scope, 2 client, 3 total)
+                claim.over = _BUCKETS[int(row[3]) - 1]
             else:
                 claim.token = row[2]
                 held.hold(CLAIM, claim.key, claim.token)

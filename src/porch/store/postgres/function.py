@@ -1,7 +1,12 @@
-"""The server-side batch function ``<schema>.apply_v2`` (and its helper ``prune_responses``).
+"""The server-side batch function ``<schema>.apply_v3`` and its helpers.
 
 One call decides a whole batch in one transaction: see store.py for the
-protocol and schema.py for the tables it works on.
+protocol and schema.py for the tables it works on. ``apply_v3`` is
+``apply_v2`` (its interface was 21 arrays) with quotas per client and the
+reservations of claims: four more arrays (clients, client caps, reserves, the
+responses' sizes). Hosts of two porch versions share a schema during an
+upgrade, each calling its own function, so a changed interface is a new name;
+``apply_v2``, ``prune_responses`` stay as the previous version created them.
 """
 
 from __future__ import annotations
@@ -20,17 +25,25 @@ __all__ = ["APPLY_FUNCTION"]
 # identical hits sent as one: decided in turn, the first k allowed). One
 # output row per op; op 0 carries the server time. A hit's row says how many
 # of its m were allowed (code) and the counts before them.
+#
+# Stored bytes: a stored response's row counts its size for its scope, its client
+# and the total; so does a claim's row while it holds a reservation (status NULL,
+# a lease, size = the bytes reserved). Every change a batch makes is appended to
+# three arrays (scope, client, bytes) and written once at its end, through the one
+# usage slot it locked: usage (per scope), client_usage, usage_total.
 APPLY_FUNCTION = (
     r"""
 -- PL/pgSQL, not SQL: its statements' plans are cached for the session. Generic
 -- plans, always: by default the planner re-plans a statement with array
 -- parameters on every call (measured: a quarter of the server's CPU per batch),
 -- and every statement here reaches its rows through a key index anyway.
--- Delete up to n expired stored responses (of one scope, or any), skipping rows
--- another batch holds, and take their bytes off through the caller's slot;
+
+-- Delete up to n expired stored responses (of one scope or client, or any), skipping
+-- rows another batch holds, and take their bytes off through the caller's slot;
 -- return how many were deleted. The caller holds slot sl (locked first).
-CREATE OR REPLACE FUNCTION {s}.prune_responses(t float8, sl int, keep text, sc text, n int)
-RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+CREATE OR REPLACE FUNCTION {s}.prune_responses_v2(
+    t float8, sl int, keep text, sc text, cl text, n int
+) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
     SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     deleted bigint;
@@ -40,13 +53,19 @@ BEGIN
             SELECT x.key FROM records x
             WHERE x.status IS NOT NULL AND x.expires <= t
               AND (x.lease_until IS NULL OR x.lease_until <= t)
-              AND (sc IS NULL OR x.scope = sc) AND x.key IS DISTINCT FROM keep
+              AND (sc IS NULL OR x.scope = sc) AND (cl IS NULL OR x.client = cl)
+              AND x.key IS DISTINCT FROM keep
             ORDER BY x.expires LIMIT n FOR UPDATE SKIP LOCKED)
-        RETURNING r.scope, r.size
+        RETURNING r.scope, r.client, r.size
     ), g AS (
         INSERT INTO usage AS u (scope, slot, bytes)
-            SELECT d.scope, sl, -sum(d.size) FROM d GROUP BY d.scope
+            SELECT d.scope, sl, -sum(d.size) FROM d WHERE d.scope IS NOT NULL GROUP BY d.scope
             ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), c AS (
+        INSERT INTO client_usage AS u (client, slot, bytes)
+            SELECT d.client, sl, -sum(d.size) FROM d WHERE d.client IS NOT NULL
+            GROUP BY d.client
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
     ), z AS (
         UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
             WHERE slot = sl
@@ -56,13 +75,82 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION {s}.apply_v2(
+-- Delete up to n claims whose lease ended at or before t and nobody took over (their
+-- holder died), of one scope or client or any, freeing their reservations.
+CREATE OR REPLACE FUNCTION {s}.prune_claims_v1(
+    t float8, sl int, keep text, sc text, cl text, n int
+) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    deleted bigint;
+BEGIN
+    WITH d AS (
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x
+            WHERE x.status IS NULL AND x.lease_until <= t
+              AND (sc IS NULL OR x.scope = sc) AND (cl IS NULL OR x.client = cl)
+              AND x.key IS DISTINCT FROM keep
+            ORDER BY x.lease_until LIMIT n FOR UPDATE SKIP LOCKED)
+        RETURNING r.scope, r.client, r.size
+    ), g AS (
+        INSERT INTO usage AS u (scope, slot, bytes)
+            SELECT d.scope, sl, -sum(d.size) FROM d WHERE d.scope IS NOT NULL AND d.size <> 0
+            GROUP BY d.scope
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), c AS (
+        INSERT INTO client_usage AS u (client, slot, bytes)
+            SELECT d.client, sl, -sum(d.size) FROM d WHERE d.client IS NOT NULL AND d.size <> 0
+            GROUP BY d.client
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), z AS (
+        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+            WHERE slot = sl
+    )
+    SELECT count(*) INTO deleted FROM d;
+    RETURN deleted;
+END
+$fn$;
+
+-- Which cap sz more bytes would pass (0 none, 1 the scope's, 2 the client's, 3 the
+-- total): committed usage plus the changes (chs, chc, chb) this batch made so far.
+CREATE OR REPLACE FUNCTION {s}.quota_over_v1(
+    sc text, cl text, sz bigint, scap bigint, ccap bigint, tcap bigint,
+    chs text[], chc text[], chb bigint[]
+) RETURNS int LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    used bigint;
+BEGIN
+    SELECT coalesce((SELECT sum(g.bytes) FROM usage g WHERE g.scope = sc), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chs, chb) u(s, b) WHERE u.s = sc), 0)
+        INTO used;
+    IF used + sz > scap THEN
+        RETURN 1;
+    END IF;
+    SELECT coalesce((SELECT sum(g.bytes) FROM client_usage g WHERE g.client = cl), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chc, chb) u(c, b) WHERE u.c = cl), 0)
+        INTO used;
+    IF used + sz > ccap THEN
+        RETURN 2;
+    END IF;
+    SELECT coalesce((SELECT sum(z.bytes) FROM usage_total z), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chb) u(b)), 0)
+        INTO used;
+    IF used + sz > tcap THEN
+        RETURN 3;
+    END IF;
+    RETURN 0;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.apply_v3(
     kinds int[], keys text[],
     ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
     hmult int[],
     tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
     ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
-    lease float8, prune int, channel text
+    lease float8, prune int, channel text,
+    clients text[], client_caps bigint[], reserves bigint[], sizes bigint[]
 ) RETURNS TABLE (
     op int, code int, tok bigint, num float8, counts int[], resets float8[],
     r_digest bytea, r_status int, r_headers text, r_body bytea
@@ -75,11 +163,12 @@ DECLARE
     i int;
     k text;
     rec record;
-    ok boolean;
     sz bigint;
-    used bigint;
+    old bigint;
     myslot int;
     saved boolean := false;
+    pruned boolean := false;
+    over int;
     cc int[];
     cs float8[];
     ce float8[];
@@ -91,15 +180,12 @@ DECLARE
     done boolean[] := array_fill(false, ARRAY[n]);
     ckeys text[];
     cidx int[];
-    skeys text[];
     wkeys text[];
-    -- Stored bytes this batch adds (per scope, and in total), written once at the end.
-    dscopes text[] := '{}';
-    dbytes bigint[] := '{}';
-    dbase bigint[] := '{}';
-    tbase bigint;
-    tdelta bigint := 0;
-    xo int;
+    -- The stored bytes this batch changes: one entry per change (scope, client, bytes),
+    -- written through its usage slot once, at the end.
+    chs text[] := '{}';
+    chc text[] := '{}';
+    chb bigint[] := '{}';
     nkeys text[] := '{}';
     claims boolean := nh < n;  -- anything but hits (a hits-only batch skips their steps)
 BEGIN
@@ -108,9 +194,8 @@ BEGIN
     IF claims THEN
     SELECT array_agg(keys[j]) FILTER (WHERE kinds[j] = 3),
            array_agg(j) FILTER (WHERE kinds[j] = 3),
-           array_agg(keys[j]) FILTER (WHERE kinds[j] = 4),
            coalesce(array_agg(keys[j]) FILTER (WHERE kinds[j] IN (4, 5, 6)), '{}')
-        INTO ckeys, cidx, skeys, wkeys
+        INTO ckeys, cidx, wkeys
         FROM generate_subscripts(kinds, 1) j;
     -- Replays first: a claim whose key holds a live stored response and no live
     -- claim is answered without a lock (a stored response changes only once it
@@ -139,9 +224,10 @@ BEGIN
 
     -- Lock phase, always in one global order (a usage slot, counters, records),
     -- rows by key: concurrent batches never deadlock. The slot comes first and
-    -- is taken only by batches that may change stored bytes (not by replays).
-    IF claims AND (skeys IS NOT NULL
-            OR EXISTS (SELECT 1 FROM unnest(cidx) u(j) WHERE NOT done[u.j])) THEN
+    -- is taken only by batches that may change stored bytes (claims, saves and
+    -- releases; not replays, not renewals).
+    IF claims AND EXISTS (SELECT 1 FROM generate_subscripts(kinds, 1) j
+                          WHERE kinds[j] IN (3, 4, 5) AND NOT done[j]) THEN
         SELECT z.slot INTO myslot FROM usage_total z
             ORDER BY (z.slot + pg_backend_pid()) % 64 LIMIT 1 FOR UPDATE SKIP LOCKED;
         IF myslot IS NULL THEN  -- all 64 busy: queue for one, holding nothing else yet
@@ -193,7 +279,7 @@ BEGIN
             SELECT r.digest, r.status, r.headers, r.body INTO r_digest, r_status, r_headers, r_body
                 FROM records r WHERE r.key = k AND r.status IS NOT NULL AND r.expires > t;
             code := (r_status IS NOT NULL)::int;
-        WHEN 3 THEN  -- claim: held elsewhere (2), stored (1), or taken (3)
+        WHEN 3 THEN  -- claim: held elsewhere (2), stored (1), taken (3), over a quota (4)
             SELECT * INTO rec FROM records r WHERE r.key = k;
             IF FOUND AND rec.lease_until IS NOT NULL AND rec.lease_until > t THEN
                 code := 2; num := rec.lease_until - t;
@@ -202,21 +288,47 @@ BEGIN
                 r_digest := rec.digest; r_status := rec.status;
                 r_headers := rec.headers; r_body := rec.body;
             ELSE
-                -- An expired response: pruned when touched.
-                IF FOUND AND rec.status IS NOT NULL THEN
-                    xo := array_position(dscopes, rec.scope);
-                    IF xo IS NULL THEN
-                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
-                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
-                    END IF;
-                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
+                -- An expired response, or a lapsed claim's reservation: its bytes go
+                -- (pruned when touched).
+                old := CASE WHEN FOUND THEN rec.size ELSE 0 END;
+                IF old <> 0 THEN
+                    chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -old;
                 END IF;
-                tok := nextval('tokens');
-                INSERT INTO records AS r (key, token, lease_until) VALUES (k, tok, t + lease)
-                    ON CONFLICT (key) DO UPDATE SET digest = NULL, status = NULL, headers = NULL,
-                        body = NULL, scope = NULL, size = 0, expires = NULL,
-                        token = excluded.token, lease_until = excluded.lease_until;
-                code := 3; num := lease;
+                over := 0;
+                IF reserves[i] > 0 THEN
+                    over := quota_over_v1(scopes[i], clients[i], reserves[i], scope_caps[i],
+                        client_caps[i], total_caps[i], chs, chc, chb);
+                    IF over <> 0 AND NOT pruned THEN
+                        -- Expired responses and dead holders' reservations still counted:
+                        -- reclaim them (never waiting), then look again. Once per batch.
+                        pruned := true;
+                        PERFORM prune_responses_v2(t, myslot, k, NULL, NULL, 4096);
+                        PERFORM prune_claims_v1(t, myslot, k, NULL, NULL, 4096);
+                        over := quota_over_v1(scopes[i], clients[i], reserves[i], scope_caps[i],
+                            client_caps[i], total_caps[i], chs, chc, chb);
+                    END IF;
+                END IF;
+                IF over <> 0 THEN
+                    -- Nothing taken: the row stays as it was, its bytes counted again.
+                    IF old <> 0 THEN
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || old;
+                    END IF;
+                    code := 4; num := over;
+                ELSE
+                    tok := nextval('tokens');
+                    sz := greatest(reserves[i], 0);
+                    INSERT INTO records AS r (key, token, lease_until, scope, client, size)
+                        VALUES (k, tok, t + lease, CASE WHEN sz > 0 THEN scopes[i] END,
+                            CASE WHEN sz > 0 THEN clients[i] END, sz)
+                        ON CONFLICT (key) DO UPDATE SET digest = NULL, status = NULL,
+                            headers = NULL, body = NULL, scope = excluded.scope,
+                            client = excluded.client, size = excluded.size, expires = NULL,
+                            token = excluded.token, lease_until = excluded.lease_until;
+                    IF sz > 0 THEN
+                        chs := chs || scopes[i]; chc := chc || clients[i]; chb := chb || sz;
+                    END IF;
+                    code := 3; num := lease;
+                END IF;
             END IF;
         WHEN 4 THEN  -- save: saved (1), fenced (2), over quota (3)
             SELECT * INTO rec FROM records r WHERE r.key = k;
@@ -224,73 +336,60 @@ BEGIN
                     AND (NOT FOUND OR rec.token <> tokens[i] OR rec.lease_until IS NULL) THEN
                 code := 2;
             ELSE
-                sz := octet_length(bodies[i]) + octet_length(headers[i]) + octet_length(digests[i]);
-                IF FOUND AND rec.status IS NOT NULL THEN
-                    xo := array_position(dscopes, rec.scope);
-                    IF xo IS NULL THEN
-                        dscopes := dscopes || rec.scope; dbytes := dbytes || 0::bigint;
-                        dbase := dbase || NULL::bigint; xo := array_length(dscopes, 1);
-                    END IF;
-                    dbytes[xo] := dbytes[xo] - rec.size; tdelta := tdelta - rec.size;
+                sz := sizes[i];
+                -- The claim's reservation (or an older response of this key) is replaced.
+                old := CASE WHEN FOUND THEN rec.size ELSE 0 END;
+                IF old <> 0 THEN
+                    chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -old;
                 END IF;
-                x := array_position(dscopes, scopes[i]);
-                IF x IS NULL THEN
-                    dscopes := dscopes || scopes[i]; dbytes := dbytes || 0::bigint;
-                    dbase := dbase || NULL::bigint; x := array_length(dscopes, 1);
+                over := quota_over_v1(scopes[i], clients[i], sz, scope_caps[i], client_caps[i],
+                    total_caps[i], chs, chc, chb);
+                IF over <> 0 AND NOT pruned THEN
+                    pruned := true;
+                    PERFORM prune_responses_v2(t, myslot, k, NULL, NULL, 4096);
+                    PERFORM prune_claims_v1(t, myslot, k, NULL, NULL, 4096);
+                    over := quota_over_v1(scopes[i], clients[i], sz, scope_caps[i],
+                        client_caps[i], total_caps[i], chs, chc, chb);
                 END IF;
-                FOR attempt IN 1 .. 2 LOOP
-                    IF dbase[x] IS NULL THEN
-                        SELECT coalesce(sum(g.bytes), 0) INTO used
-                            FROM usage g WHERE g.scope = scopes[i];
-                        dbase[x] := used;
-                    END IF;
-                    IF tbase IS NULL THEN
-                        SELECT sum(z.bytes) INTO tbase FROM usage_total z;
-                    END IF;
-                    used := dbase[x] + dbytes[x];
-                    ok := used + sz <= scope_caps[i] AND tbase + tdelta + sz <= total_caps[i];
-                    EXIT WHEN ok OR attempt = 2;
-                    -- Expired rows still counted: prune them (never waiting), then look again.
-                    PERFORM prune_responses(t, myslot, k,
-                        CASE WHEN used + sz > scope_caps[i] THEN scopes[i] END, 4096);
-                    dbase := array_fill(NULL::bigint, ARRAY[array_length(dscopes, 1)]);
-                    tbase := NULL;  -- the prune took its bytes off in the table
-                END LOOP;
-                IF NOT ok THEN
+                IF over <> 0 THEN
                     code := 3;
                     IF tokens[i] <> 0 THEN  -- the claim ends, nothing is stored
                         IF rec.status IS NULL THEN
                             DELETE FROM records r WHERE r.key = k;
                         ELSE
                             UPDATE records r SET digest = NULL, status = NULL, headers = NULL,
-                                body = NULL, scope = NULL, size = 0, expires = NULL,
-                                lease_until = NULL WHERE r.key = k;
+                                body = NULL, scope = NULL, client = NULL, size = 0,
+                                expires = NULL, lease_until = NULL WHERE r.key = k;
                         END IF;
-                    ELSIF rec.status IS NOT NULL THEN
-                        -- usage of the old response was taken off above: put it back
-                        dbytes[xo] := dbytes[xo] + rec.size; tdelta := tdelta + rec.size;
+                    ELSIF old <> 0 THEN
+                        -- the old response stays: its bytes count again
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || old;
                     END IF;
                 ELSE
                     code := 1;
-                    INSERT INTO records AS r (key, digest, status, headers, body, scope, size,
-                            expires, token, lease_until)
-                        VALUES (k, digests[i], statuses[i], headers[i], bodies[i], scopes[i], sz,
-                            t + ttls[i], 0, NULL)
+                    INSERT INTO records AS r (key, digest, status, headers, body, scope, client,
+                            size, expires, token, lease_until)
+                        VALUES (k, digests[i], statuses[i], headers[i], bodies[i], scopes[i],
+                            clients[i], sz, t + ttls[i], 0, NULL)
                         ON CONFLICT (key) DO UPDATE SET digest = excluded.digest,
                             status = excluded.status, headers = excluded.headers,
-                            body = excluded.body, scope = excluded.scope, size = excluded.size,
+                            body = excluded.body, scope = excluded.scope,
+                            client = excluded.client, size = excluded.size,
                             expires = excluded.expires,
                             lease_until = CASE WHEN tokens[i] = 0 THEN r.lease_until END;
-                    dbytes[x] := dbytes[x] + sz; tdelta := tdelta + sz;
+                    chs := chs || scopes[i]; chc := chc || clients[i]; chb := chb || sz;
                     saved := true;
                 END IF;
                 nkeys := nkeys || k;
             END IF;
-        WHEN 5 THEN  -- release: released (1) or not current (0)
+        WHEN 5 THEN  -- release: released (1) or not current (0); its reservation freed
             SELECT * INTO rec FROM records r WHERE r.key = k;
             IF FOUND AND rec.token = tokens[i] AND rec.lease_until IS NOT NULL THEN
                 IF rec.status IS NULL THEN
                     DELETE FROM records r WHERE r.key = k;
+                    IF rec.size <> 0 THEN
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -rec.size;
+                    END IF;
                 ELSE
                     UPDATE records r SET lease_until = NULL WHERE r.key = k;
                 END IF;
@@ -305,13 +404,17 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
-    IF array_length(dscopes, 1) > 0 THEN
+    IF array_length(chb, 1) > 0 THEN
         INSERT INTO usage AS g (scope, slot, bytes)
-            SELECT u.s, myslot, u.b FROM unnest(dscopes, dbytes) u(s, b) WHERE u.b <> 0
+            SELECT u.s, myslot, sum(u.b) FROM unnest(chs, chb) u(s, b)
+            WHERE u.s IS NOT NULL GROUP BY u.s HAVING sum(u.b) <> 0
             ON CONFLICT (scope, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
-    END IF;
-    IF tdelta <> 0 THEN
-        UPDATE usage_total SET bytes = bytes + tdelta WHERE slot = myslot;
+        INSERT INTO client_usage AS g (client, slot, bytes)
+            SELECT u.c, myslot, sum(u.b) FROM unnest(chc, chb) u(c, b)
+            WHERE u.c IS NOT NULL GROUP BY u.c HAVING sum(u.b) <> 0
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
+        UPDATE usage_total SET bytes = bytes + (SELECT sum(u.b) FROM unnest(chb) u(b))
+            WHERE slot = myslot;
     END IF;
     IF array_length(nkeys, 1) > 0 THEN  -- sent at commit: waiters elsewhere wake then
         PERFORM pg_notify(channel, md5(convert_to(u.k, 'UTF8'))) FROM unnest(nkeys) u(k);
@@ -323,11 +426,9 @@ BEGIN
 
     -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
     IF saved THEN
-        PERFORM prune_responses(t, myslot, NULL, NULL, prune);
-        -- Claims whose holder died and nobody took over.
-        DELETE FROM records r WHERE r.key IN (
-            SELECT x.key FROM records x WHERE x.status IS NULL AND x.lease_until <= t - 60
-            ORDER BY x.lease_until LIMIT prune FOR UPDATE SKIP LOCKED);
+        PERFORM prune_responses_v2(t, myslot, NULL, NULL, NULL, prune);
+        -- Claims whose holder died a minute ago and nobody took over: their reservations.
+        PERFORM prune_claims_v1(t - 60, myslot, NULL, NULL, NULL, prune);
     END IF;
 END
 $fn$;

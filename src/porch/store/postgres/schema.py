@@ -77,6 +77,20 @@ _MIGRATIONS: tuple[str, ...] = (
         value bytea NOT NULL
     );
     """,
+    # 3: quotas per client identity and the reservations of claims (apply_v3). A record
+    # names its client; a claim's row holds its reservation in scope, client and size
+    # while it lives. client_usage: stored and reserved bytes per client, in 64 slots as
+    # usage. Records stored before have no client (they count for scope and total).
+    """
+    ALTER TABLE {s}.records ADD COLUMN client text COLLATE "C";
+    CREATE INDEX records_client ON {s}.records (client, expires) WHERE status IS NOT NULL;
+    CREATE TABLE {s}.client_usage (
+        client text COLLATE "C",
+        slot   integer,
+        bytes  bigint NOT NULL,
+        PRIMARY KEY (client, slot)
+    );
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)

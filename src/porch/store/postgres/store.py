@@ -163,8 +163,8 @@ class PostgresStore:
             logger=logger,
         )
         self._sql = (
-            f"SELECT * FROM {quote_schema(schema)}.apply_v2("
-            + ", ".join(f"${n}" for n in range(1, 22))
+            f"SELECT * FROM {quote_schema(schema)}.apply_v3("
+            + ", ".join(f"${n}" for n in range(1, 26))
             + ")"
         )
         self._hits_sql = f"SELECT * FROM {quote_schema(schema)}.hits_v1($1, $2, $3, $4, $5, $6, $7)"

@@ -18,26 +18,24 @@ from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
 from ..urls import redact
 from .keys import KeyNames
+from .scripts import library
 
 __all__ = ["RedisAdmin"]
 
-# Trim a scope's expired entries: KEYS zset, sizes; returns how many went.
-_TRIM = """
+# Trim a bucket's expired entries, as the scripts do (the reservations of claims still
+# held stay): KEYS zset, sizes; returns how many went.
+_TRIM = (
+    library("_quota.lua").decode()
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-local freed = 0
-for i = 1, #gone, 256 do
-  local part = {unpack(gone, i, math.min(i + 255, #gone))}
-  for _, s in ipairs(redis.call('HMGET', KEYS[2], unpack(part))) do
-    if s then freed = freed + tonumber(s) end
-  end
-  redis.call('HDEL', KEYS[2], unpack(part))
-  redis.call('ZREM', KEYS[1], unpack(part))
+local before = redis.call('ZCARD', KEYS[1])
+while redis.call('ZCOUNT', KEYS[1], '-inf', now) > 0 do
+  used(KEYS[1], KEYS[2], now, '')
 end
-if freed > 0 then redis.call('HINCRBY', KEYS[2], '\\0', -freed) end
-return #gone
+return before - redis.call('ZCARD', KEYS[1])
 """
+)
 
 # A scope's kept total and the sum of its entries, read atomically.
 _SUMS = """
@@ -176,9 +174,15 @@ class RedisAdmin:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
 
     def _pairs(self, zsets: list[bytes]) -> list[tuple[bytes, bytes]]:
-        marker = f"{self.prefix}:qz:".encode()
-        sizes = f"{self.prefix}:qb:".encode()
-        return [(z, sizes + z[len(marker) :]) for z in zsets if z.startswith(marker)]
+        """Each quota bucket's (zset, sizes): scopes and the total (``qz``/``qb``), or
+        clients (``qcz``/``qcb``), whichever ``zsets`` holds."""
+        pairs = []
+        for zset in zsets:
+            for marker, sizes in ((b"qz:", b"qb:"), (b"qcz:", b"qcb:")):
+                head = self.prefix.encode() + b":" + marker
+                if zset.startswith(head):
+                    pairs.append((zset, self.prefix.encode() + b":" + sizes + zset[len(head) :]))
+        return pairs
 
     async def forget(self, *, scope: str, key: str) -> int:
         redis = await self._redis()
@@ -210,6 +214,8 @@ class RedisAdmin:
                 n = int(await trim(keys=[zset, sizes]))
                 if zset != total_zset:
                     trimmed += n
+            for zset, sizes in self._pairs(await self._scan("qcz")):
+                await trim(keys=[zset, sizes])  # the same responses, counted per client
         except Exception as exc:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
         # Counters and stored responses expire in Redis itself: nothing of theirs is left
@@ -221,7 +227,7 @@ class RedisAdmin:
         try:
             redis = await self._redis()
             sums = redis.register_script(_SUMS)
-            for _, sizes in self._pairs(await self._scan("qz")):
+            for _, sizes in self._pairs(await self._scan("qz") + await self._scan("qcz")):
                 total, summed = await sums(keys=[sizes])
                 if int(total) != int(summed):
                     scope = sizes.decode("utf-8", "replace")

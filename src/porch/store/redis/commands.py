@@ -19,6 +19,7 @@ from ..base import (
     Hit,
     Lookup,
     Quota,
+    QuotaBucket,
     Release,
     Save,
     SaveOutcome,
@@ -30,6 +31,7 @@ from .keys import KeyNames
 __all__ = ["Command", "command", "settle"]
 
 _DEFAULT_QUOTA = Quota()
+_BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
 # (script name, or None for a plain HMGET of the record; keys; arguments)
 Command = tuple[str | None, list[bytes], list[bytes | str | int]]
 _FIELDS = (b"d", b"s", b"h", b"b")
@@ -58,14 +60,20 @@ def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None
     if type(op) is Lookup:
         return (None, [names.record(op.key)], list(_FIELDS))
     if type(op) is Claim:
-        return ("claim", [names.record(op.key)], [lease_ms])
+        quota = op.quota
+        if quota is None or op.reserve <= 0:
+            return ("claim", [names.record(op.key)], [lease_ms])
+        return (
+            "claim",
+            names.buckets(op.key, op.scope, op.client),
+            [lease_ms, op.reserve, quota.scope_bytes, quota.client_bytes, quota.total_bytes],
+        )
     if type(op) is Save:
         quota = op.quota if op.quota is not None else _DEFAULT_QUOTA
         response = op.response
-        zset, sizes = names.scope(op.scope)
         return (
             "save",
-            [names.record(op.key), zset, sizes, names.total_zset, names.total_sizes],
+            names.buckets(op.key, op.scope, op.client),
             [
                 str(op.token),
                 response.digest,
@@ -74,13 +82,19 @@ def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None
                 response.body,
                 max(1, math.ceil(op.ttl * 1000)),
                 quota.scope_bytes,
+                quota.client_bytes,
                 quota.total_bytes,
                 names.channel,
                 op.key,
+                op.size,
             ],
         )
     if type(op) is Release:
-        return ("release", [names.record(op.key)], [str(op.token), names.channel, op.key])
+        return (
+            "release",
+            names.buckets(op.key, op.scope, op.client),
+            [str(op.token), names.channel, op.key],
+        )
     raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
 
 
@@ -106,6 +120,8 @@ def settle(held: HeldLeases, op: StoreOp, result: Any, alike: list[Hit] | None =
             op.retry_after = result[1] / 1000.0
         elif result[0] == 1:
             op.stored = _stored(*result[1:5])
+        elif result[0] == 3:  # over a quota: which cap (1 scope, 2 client, 3 total)
+            op.over = _BUCKETS[int(result[1]) - 1]
         else:
             op.token = int(result[1])
             held.hold(CLAIM, op.key, op.token)

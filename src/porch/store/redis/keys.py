@@ -56,3 +56,22 @@ class KeyNames:
             _encode(f"{self.prefix}:qz:{tag}:{scope}"),
             _encode(f"{self.prefix}:qb:{tag}:{scope}"),
         )
+
+    def client(self, client: str) -> tuple[bytes, bytes]:
+        """A client identity's quota bookkeeping (a slot of its own: any scope it uses)."""
+        tag = _tag(client)
+        return (
+            _encode(f"{self.prefix}:qcz:{tag}:{client}"),
+            _encode(f"{self.prefix}:qcb:{tag}:{client}"),
+        )
+
+    def buckets(self, key: str, scope: str, client: str) -> list[bytes]:
+        """The record of ``key`` and the quota bookkeeping of its scope, client and the
+        whole store, as the claim, save and release scripts take them."""
+        return [
+            self.record(key),
+            *self.scope(scope),
+            *self.client(client),
+            self.total_zset,
+            self.total_sizes,
+        ]

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from importlib import resources
 
-__all__ = ["Script", "load_scripts"]
+__all__ = ["Script", "library", "load_scripts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,12 +18,32 @@ class Script:
     sha: str
 
 
+# A script's line ``--#include _name.lua`` is replaced by that file (a Lua script
+# runs alone: code several scripts share is included into each).
+_INCLUDE = b"--#include "
+
+
 def load_scripts() -> dict[str, Script]:
-    """Every ``*.lua`` file shipped in this package, by name (``hit``, ``claim``...)."""
+    """Every ``*.lua`` file shipped in this package, by name (``hit``, ``claim``...); the
+    files named ``_*.lua`` are only included into others."""
+    files = {
+        entry.name: entry.read_bytes()
+        for entry in resources.files(__package__).iterdir()
+        if entry.name.endswith(".lua")
+    }
     found: dict[str, Script] = {}
-    for entry in resources.files(__package__).iterdir():
-        if entry.name.endswith(".lua"):
-            source = entry.read_bytes()
-            name = entry.name.removesuffix(".lua")
-            found[name] = Script(name, source, hashlib.sha1(source).hexdigest())
+    for filename, text in files.items():
+        if filename.startswith("_"):
+            continue
+        source = b"".join(
+            files[line[len(_INCLUDE) :].strip().decode()] if line.startswith(_INCLUDE) else line
+            for line in text.splitlines(keepends=True)
+        )
+        name = filename.removesuffix(".lua")
+        found[name] = Script(name, source, hashlib.sha1(source).hexdigest())
     return found
+
+
+def library(filename: str) -> bytes:
+    """A ``_*.lua`` file's code, to include into a script built elsewhere (the admin's)."""
+    return resources.files(__package__).joinpath(filename).read_bytes()

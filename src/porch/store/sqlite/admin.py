@@ -33,6 +33,8 @@ _TABLES = (
     "responses",
     "response_bytes",
     "response_total",
+    "client_bytes",
+    "reservations",
 )
 
 
@@ -249,11 +251,16 @@ class SQLiteAdmin:
             if results != ["ok"]:
                 problems.append("integrity_check: " + "; ".join(results))
             if not missing and version == SCHEMA_VERSION:
-                (stored,) = conn.execute("SELECT COALESCE(SUM(size), 0) FROM responses").fetchone()
+                # Stored responses and the reservations of claims, both counted in the totals.
+                (stored,) = conn.execute(
+                    "SELECT (SELECT COALESCE(SUM(size), 0) FROM responses)"
+                    " + (SELECT COALESCE(SUM(size), 0) FROM reservations)"
+                ).fetchone()
                 row = conn.execute("SELECT bytes FROM response_total WHERE id = 1").fetchone()
                 if row is None or row[0] != stored:
                     problems.append(
                         f"stored-bytes total {row[0] if row else None} != {stored} in responses"
+                        " and reservations"
                     )
         except sqlite3.Error as exc:
             problems.append(str(exc))

@@ -20,7 +20,7 @@ from ...errors import StoreError
 from ..algorithms import FIXED, State, expiry, fresh, read, settle
 from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp
 from .claims import SQLiteClaims
-from .saves import Bodies, Heads, apply_writes, chunks
+from .saves import Bodies, Heads, Usage, apply_writes, chunks
 
 __all__ = ["apply_batch", "prune_expired", "split_key"]
 
@@ -95,18 +95,20 @@ def apply_batch(
             reads.append(op)
         elif type(op) is Save or type(op) is Release:
             writes.append(op)
+    # Stored and reserved bytes, read only if a claim or save of this batch has a quota.
+    usage = Usage(conn, now, claims)
     if reads and writes and {op.key for op in reads} & {op.key for op in writes}:
         # A key both read and written in one batch: keep arrival order exactly.
         for op in ops:
             if type(op) is Claim or type(op) is Lookup:
-                _apply_reads(conn, [op], now, claims, bodies)
+                _apply_reads(conn, [op], now, claims, bodies, usage)
             elif type(op) is Save or type(op) is Release:
-                apply_writes(conn, [op], now, wall, claims, bodies, heads)
+                apply_writes(conn, [op], now, wall, claims, bodies, heads, usage)
     else:
         if reads:
-            _apply_reads(conn, reads, now, claims, bodies)
+            _apply_reads(conn, reads, now, claims, bodies, usage)
         if writes:
-            apply_writes(conn, writes, now, wall, claims, bodies, heads)
+            apply_writes(conn, writes, now, wall, claims, bodies, heads, usage)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
@@ -134,6 +136,7 @@ def _apply_reads(
     now: float,
     claims: SQLiteClaims,
     bodies: Bodies | None,
+    usage: Usage,
 ) -> None:
     keys: list[str] = []
     for op in reads:
@@ -151,6 +154,13 @@ def _apply_reads(
             if stored is not None:
                 op.stored = stored
                 claims.end(op.key)  # nothing to own: answered from the store
+            elif (
+                op.quota is not None
+                and op.reserve > 0
+                and (over := usage.reserve(op.key, op.scope, op.client, op.reserve, op.quota))
+            ):
+                op.over = over
+                claims.end(op.key)  # its response could not be stored: not taken
             else:
                 claimed.append(op)
     if claimed:

@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeGuard
 
-from ..base import Quota, Release, Save, StoredResponse, StoreOp
+from ..base import Quota, QuotaBucket, Release, Save, StoreOp
 from .claims import SQLiteClaims
 
 __all__ = [
@@ -17,11 +17,11 @@ __all__ = [
     "HEADS_MAX",
     "Bodies",
     "Heads",
+    "Usage",
     "apply_writes",
     "chunks",
     "has_blob",
     "headers_json",
-    "stored_size",
 ]
 
 # Bodies above this live in the side file (blobs.py), written apart from the decisions;
@@ -44,13 +44,13 @@ class Bodies(Protocol):
 
 
 _UPSERT_RESPONSE = (
-    "INSERT INTO responses"
-    " (key, digest, status, headers, body, stored_at, expires, stored_wall, scope, size, blob)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO responses (key, digest, status, headers, body, stored_at, expires,"
+    " stored_wall, scope, client, size, blob) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (key) DO UPDATE SET digest = excluded.digest, status = excluded.status,"
     " headers = excluded.headers, body = excluded.body, stored_at = excluded.stored_at,"
     " expires = excluded.expires, stored_wall = excluded.stored_wall,"
-    " scope = excluded.scope, size = excluded.size, blob = excluded.blob"
+    " scope = excluded.scope, client = excluded.client, size = excluded.size,"
+    " blob = excluded.blob"
 )
 _PRUNE_ALL_EXPIRED = "DELETE FROM responses WHERE expires <= ?"
 # sqlite3 binds int, float, str and bytearray directly, but sends bytes through its
@@ -103,66 +103,110 @@ def _headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
     return "[" + ", ".join([f'["{k.decode()}", "{v.decode()}"]' for k, v in headers]) + "]"
 
 
-def stored_size(key: str, response: StoredResponse, headers: str) -> int:
-    """The bytes a stored response counts against its quotas: key, digest, headers, body."""
-    return (
-        len(key.encode("utf-8", "surrogatepass"))
-        + len(response.digest)
-        + len(headers.encode("latin-1"))
-        + len(response.body)
-    )
+_UPSERT_RESERVATION = (
+    "INSERT INTO reservations (key, scope, client, size) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET scope = excluded.scope, client = excluded.client,"
+    " size = excluded.size"
+)
 
 
-class _Usage:
-    """Stored bytes per scope and in total, read once per transaction and kept current."""
+class Usage:
+    """Stored and reserved bytes per scope, per client and in all, as one transaction sees
+    them: each figure read once (the triggers keep the tables exact), kept current with what
+    the transaction writes, also before its response rows are written at its end."""
 
-    __slots__ = ("conn", "now", "pruned", "scopes", "total")
+    __slots__ = ("claims", "conn", "now", "pending", "read", "reclaimed")
 
-    def __init__(self, conn: sqlite3.Connection, scopes: set[str], now: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, now: float, claims: SQLiteClaims) -> None:
         self.conn = conn
         self.now = now
-        self.scopes: dict[str, int] = dict.fromkeys(scopes, 0)
-        for chunk in chunks(list(scopes)):
-            marks = ",".join("?" * len(chunk))
-            for scope, used in conn.execute(
-                f"SELECT scope, bytes FROM response_bytes WHERE scope IN ({marks})", chunk
-            ):
-                self.scopes[scope] = int(used)
-        self.total = self._read_total()
-        self.pruned = False
+        self.claims = claims
+        # ("s", scope) / ("c", client) / ("t", ""): bytes in the tables when read.
+        self.read: dict[tuple[str, str], int] = {}
+        # Bytes of response rows admitted but not written yet (apply_writes' executemany).
+        self.pending: dict[tuple[str, str], int] = {}
+        self.reclaimed = False
 
-    def _read_total(self) -> int:
-        return int(self.conn.execute("SELECT bytes FROM response_total").fetchone()[0])
+    def _get(self, bucket: tuple[str, str]) -> int:
+        used = self.read.get(bucket)
+        if used is None:
+            kind, name = bucket
+            if kind == "s":
+                row = self.conn.execute(_SCOPE_BYTES, (name,)).fetchone()
+            elif kind == "c":
+                row = self.conn.execute(_CLIENT_BYTES, (name,)).fetchone()
+            else:
+                row = self.conn.execute(_TOTAL_BYTES).fetchone()
+            used = self.read[bucket] = 0 if row is None else int(row[0])
+        return used + self.pending.get(bucket, 0)
 
-    def _reread(self) -> None:
-        # Pruning changed rows of scopes other than the one being checked, too.
-        for scope in self.scopes:
-            row = self.conn.execute(
-                "SELECT bytes FROM response_bytes WHERE scope = ?", (scope,)
-            ).fetchone()
-            self.scopes[scope] = 0 if row is None else int(row[0])
-        self.total = self._read_total()
+    def written(self, scope: str, client: str, delta: int) -> None:
+        """A row of ``delta`` bytes was written (or deleted) now: the tables know it."""
+        for bucket in (("s", scope), ("c", client), ("t", "")):
+            if bucket in self.read:
+                self.read[bucket] += delta
 
-    def admit(self, scope: str, size: int, quota: Quota) -> bool:
-        """Whether ``size`` more bytes fit; expired rows are reclaimed before saying no."""
-        over = (
-            self.scopes[scope] + size > quota.scope_bytes or self.total + size > quota.total_bytes
-        )
-        if over and not self.pruned:
-            # Every expired row goes (through the expiry index), once per transaction:
-            # each row is deleted once, so a client at its quota cannot make this costly.
-            self.pruned = True
+    def will_write(self, scope: str, client: str, size: int) -> None:
+        """A response row of ``size`` bytes is admitted, to be written at the batch's end."""
+        for bucket in (("s", scope), ("c", client), ("t", "")):
+            self.pending[bucket] = self.pending.get(bucket, 0) + size
+
+    def _over(self, scope: str, client: str, size: int, quota: Quota) -> QuotaBucket | None:
+        if self._get(("s", scope)) + size > quota.scope_bytes:
+            return "scope"
+        if self._get(("c", client)) + size > quota.client_bytes:
+            return "client"
+        if self._get(("t", "")) + size > quota.total_bytes:
+            return "total"
+        return None
+
+    def admit(self, scope: str, client: str, size: int, quota: Quota) -> QuotaBucket | None:
+        """None if ``size`` more bytes fit every cap, else the cap they would pass. Before
+        saying no, expired responses and the reservations of dead holders are reclaimed."""
+        over = self._over(scope, client, size, quota)
+        if over is not None and not self.reclaimed:
+            # Once per transaction: each row is deleted once, so a caller at its quota
+            # cannot make this costly. Every expired row goes, through the expiry index.
+            self.reclaimed = True
             self.conn.execute(_PRUNE_ALL_EXPIRED, (self.now,))
-            self._reread()
-            over = (
-                self.scopes[scope] + size > quota.scope_bytes
-                or self.total + size > quota.total_bytes
-            )
-        if over:
-            return False
-        self.scopes[scope] += size
-        self.total += size
-        return True
+            self._reclaim_reservations()
+            self.read.clear()  # the prune changed other scopes' and clients' figures too
+            over = self._over(scope, client, size, quota)
+        return over
+
+    def _reclaim_reservations(self) -> None:
+        """Delete the reservations whose claim nobody holds: their holder died (its lock
+        went with it). A claim of this process or a live one elsewhere keeps its lock."""
+        claims = self.claims
+        for (key,) in self.conn.execute("SELECT key FROM reservations").fetchall():
+            if claims.take(key):
+                self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
+                claims.end(key)
+
+    def reserve(
+        self, key: str, scope: str, client: str, size: int, quota: Quota
+    ) -> QuotaBucket | None:
+        """Reserve ``size`` bytes for the claim this transaction takes on ``key`` (None), or
+        name the cap they would pass (nothing reserved)."""
+        self.free(key)  # a reservation left on this key is a dead holder's: its lock is ours
+        over = self.admit(scope, client, size, quota)
+        if over is None:
+            self.conn.execute(_UPSERT_RESERVATION, (key, scope, client, size))
+            self.written(scope, client, size)
+        return over
+
+    def free(self, key: str) -> None:
+        """Delete ``key``'s reservation, if it has one (its claim is saved or released)."""
+        row = self.conn.execute(_SELECT_RESERVATION, (key,)).fetchone()
+        if row is not None:
+            self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
+            self.written(row[0], row[1], -int(row[2]))
+
+
+_SCOPE_BYTES = "SELECT bytes FROM response_bytes WHERE scope = ?"
+_CLIENT_BYTES = "SELECT bytes FROM client_bytes WHERE client = ?"
+_TOTAL_BYTES = "SELECT bytes FROM response_total"
+_SELECT_RESERVATION = "SELECT scope, client, size FROM reservations WHERE key = ?"
 
 
 def apply_writes(
@@ -173,28 +217,33 @@ def apply_writes(
     claims: SQLiteClaims,
     bodies: Bodies | None,
     heads: Heads | None = None,
+    usage: Usage | None = None,
 ) -> None:
-    usage: _Usage | None = None
+    if usage is None:
+        usage = Usage(conn, now, claims)
     placed = {} if bodies is None else bodies.placed
     rows: list[tuple[Any, ...]] = []
     for op in writes:
         if type(op) is Release:
             op.released = claims.current(op.key, op.token)
+            if op.released:
+                usage.free(op.key)
             continue
         if type(op) is not Save:  # pragma: no cover - only Save and Release are writes
             continue
-        if op.token and not claims.current(op.key, op.token):
-            op.outcome = "fenced"  # a newer claim exists: never overwrite its response
-            continue
+        if op.token:
+            if not claims.current(op.key, op.token):
+                op.outcome = "fenced"  # a newer claim exists: never overwrite its response
+                continue
+            usage.free(op.key)  # the claim's reservation: replaced by the response's size
         response = op.response
         headers = headers_json(response.headers, heads)
-        size = stored_size(op.key, response, headers)
+        size = op.size
         if op.quota is not None:
-            if usage is None:
-                usage = _Usage(conn, {w.scope for w in writes if type(w) is Save and w.quota}, now)
-            if not usage.admit(op.scope, size, op.quota):
+            if usage.admit(op.scope, op.client, size, op.quota) is not None:
                 op.outcome = "quota"
                 continue
+            usage.will_write(op.scope, op.client, size)
         body = response.body
         blob = placed.get(id(op))
         if blob is not None:
@@ -210,6 +259,7 @@ def apply_writes(
                 now + op.ttl,
                 wall,
                 op.scope,
+                op.client,
                 size,
                 blob,
             )

@@ -45,6 +45,36 @@ _RESPONSE_BYTES_TRIGGERS = """
     END;
 """
 
+# From schema 8: the running totals per scope, per client and in all, kept by stored
+# responses and by the reservations of claims alike (the same triggers on both tables).
+_BYTES_TRIGGERS_V8 = """
+    CREATE TRIGGER {table}_bytes_insert AFTER INSERT ON {table} BEGIN
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        INSERT INTO client_bytes (client, bytes) VALUES (new.client, new.size)
+            ON CONFLICT (client) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes + new.size;
+    END;
+    CREATE TRIGGER {table}_bytes_delete AFTER DELETE ON {table} BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        UPDATE client_bytes SET bytes = bytes - old.size WHERE client = old.client;
+        DELETE FROM client_bytes WHERE client = old.client AND bytes <= 0;
+        UPDATE response_total SET bytes = bytes - old.size;
+    END;
+    CREATE TRIGGER {table}_bytes_update AFTER UPDATE OF scope, client, size ON {table} BEGIN
+        UPDATE response_bytes SET bytes = bytes - old.size WHERE scope = old.scope;
+        DELETE FROM response_bytes WHERE scope = old.scope AND bytes <= 0;
+        INSERT INTO response_bytes (scope, bytes) VALUES (new.scope, new.size)
+            ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE client_bytes SET bytes = bytes - old.size WHERE client = old.client;
+        DELETE FROM client_bytes WHERE client = old.client AND bytes <= 0;
+        INSERT INTO client_bytes (client, bytes) VALUES (new.client, new.size)
+            ON CONFLICT (client) DO UPDATE SET bytes = bytes + excluded.bytes;
+        UPDATE response_total SET bytes = bytes - old.size + new.size;
+    END;
+"""
+
 # Times: ``window_start``, ``stored_at`` and ``expires`` are seconds on the
 # monotonic clock of the boot recorded in porch_meta; ``wall_start`` and
 # ``stored_wall`` are Unix seconds at the same moment, used only to rebase the
@@ -218,6 +248,55 @@ _MIGRATIONS: tuple[str, ...] = (
     """
     INSERT INTO porch_meta (name, value) VALUES ('secret', :secret);
     """,
+    # 8: quotas per client identity, and reservations. A stored response names its
+    # ``client`` (whatever scopes it presented), counted in ``client_bytes``; the table
+    # is rebuilt (as by 5 and 6) to keep the body its last column. A claim taken under a
+    # quota reserves bytes in ``reservations`` (its key, scope, client, size) until its
+    # save replaces them by the response's size or its release frees them; a row left
+    # by a holder that died is reclaimed once its key's lock is found free. Both tables
+    # feed the same running totals, so a quota check still reads three rows. Responses
+    # stored before keep the client '' (nobody's).
+    """
+    CREATE TABLE responses_v8 (
+        id          INTEGER PRIMARY KEY,
+        key         TEXT NOT NULL UNIQUE,
+        digest      BLOB NOT NULL,
+        status      INTEGER NOT NULL,
+        headers     TEXT NOT NULL,
+        stored_at   REAL NOT NULL,
+        expires     REAL NOT NULL,
+        stored_wall REAL NOT NULL,
+        scope       TEXT NOT NULL DEFAULT '',
+        client      TEXT NOT NULL DEFAULT '',
+        size        INTEGER NOT NULL DEFAULT 0,
+        blob        INTEGER,
+        body        BLOB NOT NULL
+    );
+    INSERT INTO responses_v8
+        (id, key, digest, status, headers, stored_at, expires, stored_wall, scope, size, blob,
+         body)
+        SELECT id, key, digest, status, headers, stored_at, expires, stored_wall, scope, size,
+               blob, body
+        FROM responses;
+    DROP TABLE responses;
+    ALTER TABLE responses_v8 RENAME TO responses;
+    CREATE INDEX responses_expires ON responses (expires);
+    CREATE INDEX responses_blob ON responses (blob) WHERE blob IS NOT NULL;
+    CREATE TABLE client_bytes (
+        client TEXT PRIMARY KEY,
+        bytes  INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO client_bytes (client, bytes)
+        SELECT client, SUM(size) FROM responses GROUP BY client;
+    CREATE TABLE reservations (
+        key    TEXT PRIMARY KEY,
+        scope  TEXT NOT NULL,
+        client TEXT NOT NULL,
+        size   INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    """
+    + _BYTES_TRIGGERS_V8.format(table="responses")
+    + _BYTES_TRIGGERS_V8.format(table="reservations"),
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
