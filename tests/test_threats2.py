@@ -23,6 +23,9 @@ from porch import (
     SQLiteStore,
 )
 from porch._types import Message, Receive, Scope, Send
+from porch.idempotency._integrity import MAC_HEADER, IntegrityKeys
+from porch.idempotency._keys import request_digest
+from porch.store.base import Lookup, Save, StoredResponse
 
 pytestmark = pytest.mark.anyio
 
@@ -167,3 +170,74 @@ async def test_a_stored_scope_cannot_be_tested_against_a_dictionary(
     h.update(b"a %d:" % len(auth[0][1]))
     h.update(auth[0][1])
     assert stored == "cred:" + h.hexdigest()
+
+
+# --- finding 8: stored responses are replayed as read -------------------------------------
+
+
+async def forge(pool: KeyPool, key: str, headers: tuple[tuple[bytes, bytes], ...]) -> None:
+    """What anyone with write access to the store can do: put a response under a key."""
+    forged = StoredResponse(request_digest_of_tea(), 201, headers, b"pay here")
+    await pool.store.apply([Save(key, forged, 600.0)])
+
+
+def request_digest_of_tea() -> bytes:
+    return request_digest("POST", "/orders", b"", b"tea", [(b"content-type", [])])
+
+
+async def test_a_forged_record_never_replays_headers_outside_the_allow_list(
+    pool: KeyPool,
+) -> None:
+    # Catches: stored headers were replayed as read, Set-Cookie included (finding 8).
+    app = IdempotencyMiddleware(Orders(), pool=pool)
+    await pool.start()
+    await forge(
+        pool,
+        "client:10.0.0.1\x1forder-1",
+        ((b"set-cookie", b"session=attacker"), (b"location", b"/orders/1")),
+    )
+    status, headers, body = await request(app, [], ("10.0.0.1", 1))
+    assert (status, body) == (201, b"pay here")  # without a key, a write is a replay
+    assert headers[b"idempotent-replayed"] == b"true"
+    assert b"set-cookie" not in headers
+    assert headers[b"location"] == b"/orders/1"
+
+
+async def test_with_an_integrity_key_a_forged_record_is_not_replayed(
+    pool: KeyPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, "porch.idempotency")
+    orders = Orders()
+    app = IdempotencyMiddleware(orders, pool=pool, integrity_key=b"k" * 32)
+    first = await request(app, [], ("10.0.0.1", 1))
+    again = await request(app, [], ("10.0.0.1", 1))
+    assert first[0] == 201
+    assert again[1][b"idempotent-replayed"] == b"true"
+    assert again[2] == first[2]
+    assert MAC_HEADER not in again[1]  # the MAC is stored, never sent
+    # A record written without the key: refused, not replayed, logged, the handler not run.
+    await forge(pool, "client:10.0.0.2\x1forder-1", ((b"location", b"https://evil.example/"),))
+    status, headers, body = await request(app, [], ("10.0.0.2", 1))
+    assert status == 503
+    assert json.loads(body)["cause"] == "integrity"
+    assert b"location" not in headers
+    assert orders.calls == 1
+    assert any("integrity check" in r.getMessage() for r in caplog.records)
+    # A genuine record moved under another caller's key fails too (the key is signed).
+    moved = Lookup("client:10.0.0.1\x1forder-1")
+    await pool.store.apply([moved])
+    assert moved.result is not None
+    await pool.store.apply([Save("client:10.0.0.3\x1forder-1", moved.result, 600.0)])
+    assert (await request(app, [], ("10.0.0.3", 1)))[0] == 503
+    # A new key rolls out: records signed with the old one still verify.
+    rolled = IdempotencyMiddleware(orders, pool=pool, integrity_key=[b"n" * 32, b"k" * 32])
+    assert (await request(rolled, [], ("10.0.0.1", 1)))[2] == first[2]
+
+
+def test_an_integrity_key_is_long_enough() -> None:
+    from porch.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="at least 16 random bytes"):
+        IntegrityKeys(b"short")
+    with pytest.raises(ConfigurationError, match="at least one key"):
+        IntegrityKeys([])

@@ -53,8 +53,9 @@ IDEMPOTENCY_OUTCOMES = (
     "invalid",
     "too_large",
     "quota",
+    "integrity",
 )
-UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified", "quota")
+UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified", "quota", "integrity")
 UNSTORED_REASONS = ("quota", "fenced")
 
 _MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -104,7 +105,7 @@ class PorchMetrics:
         self.idempotency_requests = prom.Counter(
             "porch_idempotency_requests",
             "Keyed requests, by outcome (executed, replayed, mismatch, conflict, invalid,"
-            " too_large, quota).",
+            " too_large, quota, integrity).",
             ["outcome"],
             registry=target,
         )
@@ -117,7 +118,7 @@ class PorchMetrics:
         )
         self.unavailable = prom.Counter(
             "porch_unavailable",
-            "Requests answered 503, by cause (saturated, store, unidentified, quota).",
+            "Requests answered 503, by cause (saturated, store, unidentified, quota, integrity).",
             ["cause"],
             registry=target,
         )

@@ -17,6 +17,7 @@ from .._types import Message, Send
 from ..errors import PoolClosedError, StoreError
 from ..store.base import StoredResponse, stored_size
 from ._events import IdempotencyEvents
+from ._integrity import MAC_SIZE, IntegrityKeys
 from ._ownership import Report, Reservation
 
 __all__ = ["REPLAYED_HEADERS", "TOKEN", "Capture", "Owner", "storable"]
@@ -50,6 +51,8 @@ class Owner(Protocol):
     """What a capture reports to (the idempotency middleware that made it)."""
 
     events: IdempotencyEvents
+    integrity: IntegrityKeys | None
+    """The keys stored responses are signed with (None: not signed)."""
     header_names: dict[bytes, bytes]
     """Response header names found valid, and their replayed form (see :func:`head`)."""
 
@@ -205,6 +208,8 @@ class Capture:
             # What is stored counts against max_stored (the bytes its claim reserved): the
             # key, digest and replayed headers, then the body as it streams.
             self.size = stored_size(self.key, StoredResponse(self.digest, 0, self.headers, b""))
+            if self.owner.integrity is not None:
+                self.size += MAC_SIZE
             # Held until the first body chunk: a one-chunk response (the usual
             # kind) then leaves as head and body together, after its commit,
             # not as a head now and a body a commit later.
@@ -244,6 +249,8 @@ class Capture:
             self.report(None)
             return
         stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
+        if self.owner.integrity is not None:
+            stored = self.owner.integrity.sign(self.key, stored)
         try:
             outcome = await self.report(stored)
         except (StoreError, PoolClosedError) as exc:

@@ -29,8 +29,9 @@ from ..errors import (
 from ..identity import ClientIdentity, KeyFunc
 from ..pool._pool import KeyPool
 from ..store.base import Quota, StoredResponse
-from ._capture import Capture
+from ._capture import REPLAYED_HEADERS, Capture
 from ._events import IdempotencyEvents
+from ._integrity import IntegrityKeys
 from ._keys import (
     SECRET,
     CallerScope,
@@ -100,6 +101,7 @@ class IdempotencyMiddleware:
         retry_after: int = 1,
         quota: Quota = DEFAULT_QUOTA,
         identity: KeyFunc | None = None,
+        integrity_key: bytes | Sequence[bytes] | None = None,
         enabled: bool = True,
     ) -> None:
         rules = (rules,) if isinstance(rules, IdempotencyRule) else tuple(rules)
@@ -139,6 +141,8 @@ class IdempotencyMiddleware:
             caller = self._scope
             identity = caller.identity if isinstance(caller, CallerScope) else ClientIdentity()
         self._identity: KeyFunc = identity
+        # Opt-in: stored responses signed and checked before a replay (see _integrity).
+        self.integrity = None if integrity_key is None else IntegrityKeys(integrity_key)
         # The default policy's, as before policies (each rule may say otherwise).
         self.ttl = policy.ttl
         self.wait_timeout = policy.wait_timeout
@@ -385,6 +389,9 @@ class IdempotencyMiddleware:
 
         outcomes = self.events.outcomes
         if isinstance(outcome, StoredResponse):
+            if self.integrity is not None and not self.integrity.verify(key, outcome):
+                await self._forged(scope, receive, send)
+                return
             if outcomes is not None:
                 outcomes["replayed"].inc()
             await _replay(outcome)(scope, receive, send)
@@ -406,6 +413,24 @@ class IdempotencyMiddleware:
                 outcomes["executed"].inc()
             capture = Capture(send, self, policy, key, acquire.token, reservation, digest, shard)
             await self._run_owner(scope, receive, capture, body)
+
+    async def _forged(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A stored response whose MAC does not verify: written by someone without the key
+        (or before it was set), so it is not replayed."""
+        self.events.event(
+            scope,
+            "integrity",
+            503,
+            logging.ERROR,
+            "porch: a stored response failed its integrity check (written without"
+            " integrity_key, or tampered with); not replayed (503)",
+        )
+        await problem(
+            503,
+            "the stored response for this Idempotency-Key failed its integrity check",
+            cause="integrity",
+            headers=self._retry_after,
+        )(scope, receive, send)
 
     async def _over_quota(
         self,
@@ -496,9 +521,11 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 
 def _replay(stored: StoredResponse) -> BytesResponse:
-    return BytesResponse(
-        stored.status, stored.body, [*stored.headers, (b"idempotent-replayed", b"true")]
-    )
+    # Only the allow-list, as read: porch stores nothing else, so anything else in a
+    # stored head (Set-Cookie, say) was written by someone else, and is never sent.
+    headers = [pair for pair in stored.headers if pair[0] in REPLAYED_HEADERS]
+    headers.append((b"idempotent-replayed", b"true"))
+    return BytesResponse(stored.status, stored.body, headers)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

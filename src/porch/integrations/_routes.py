@@ -11,7 +11,7 @@ route are counted: a 404, a 405 or a trailing-slash redirect never is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +107,8 @@ class RouteIdempotency:
     handled as ``policy`` says (an :class:`~porch.IdempotencyPolicy`; default: the
     default policy). ``required``, ``digest_headers``, ``ttl``, ``wait_timeout``,
     ``max_body`` and ``max_stored`` are kept from before policies: given, they change
-    it. ``scope`` and ``quota`` are :class:`~porch.IdempotencyMiddleware`'s.
+    it. ``scope``, ``quota``, ``identity`` and ``integrity_key`` are
+    :class:`~porch.IdempotencyMiddleware`'s.
     ``count_replays``: whether a replay (and a duplicate that waited for its owner, a
     409, a 422) counts against the route's rate limits — True: the limits are checked
     first, as every request; False: idempotency answers first and only a request that
@@ -116,6 +117,8 @@ class RouteIdempotency:
     __slots__ = (
         "count_replays",
         "enabled",
+        "identity",
+        "integrity_key",
         "log",
         "methods",
         "policy",
@@ -143,6 +146,8 @@ class RouteIdempotency:
         quota: Quota = DEFAULT_QUOTA,
         count_replays: bool = True,
         enabled: bool = True,
+        identity: KeyFunc | None = None,
+        integrity_key: bytes | Sequence[bytes] | None = None,
     ) -> None:
         self.methods = None if methods is None else frozenset(normalize_method(m) for m in methods)
         if policy is not None and not isinstance(policy, IdempotencyPolicy):
@@ -167,6 +172,8 @@ class RouteIdempotency:
         self.required = self.policy.required
         self.scope = scope
         self.quota = quota
+        self.identity = identity
+        self.integrity_key = integrity_key
         self.log = EventLog(_logger)
 
 
@@ -472,7 +479,13 @@ def _idempotency(
 
     def wrap(app: ASGIApp) -> ASGIApp:
         return IdempotencyMiddleware(
-            app, pool=pool, rules=rule, scope=declared.scope, quota=declared.quota
+            app,
+            pool=pool,
+            rules=rule,
+            scope=declared.scope,
+            quota=declared.quota,
+            identity=declared.identity,
+            integrity_key=declared.integrity_key,
         )
 
     return wrap

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
@@ -134,6 +134,8 @@ def idempotent(
     quota: Quota = DEFAULT_QUOTA,
     count_replays: bool = True,
     enabled: bool = True,
+    identity: KeyFunc | None = None,
+    integrity_key: bytes | Sequence[bytes] | None = None,
 ) -> Callable[[E], E]:
     """Honour ``Idempotency-Key`` on an endpoint's unsafe methods, handled as ``policy``
     says (an :class:`~porch.IdempotencyPolicy`; the other settings as in
@@ -156,6 +158,8 @@ def idempotent(
         quota=quota,
         count_replays=count_replays,
         enabled=enabled,
+        identity=identity,
+        integrity_key=integrity_key,
     )
     return functools.partial(_declare, declaration)
 
