@@ -2,7 +2,7 @@
 
 One round trip per batch: every queued batch (a shard's drain; batches of
 several shards that queue while the connections are busy are coalesced) is
-sent as ONE call of the server-side function ``<schema>.apply_v2`` (a batch
+sent as ONE call of the server-side function ``<schema>.apply_v3`` (a batch
 of hits alone: the leaner ``hits_v1``, see hits.py) in autocommit mode, which
 is one transaction. The function locks every row it touches in
 one global order, reads the server's clock, and decides each operation in
