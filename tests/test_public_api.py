@@ -16,6 +16,7 @@ def test_public_surface_is_pinned() -> None:
             "CallerScope",
             "ClientIdentity",
             "Clock",
+            "Concurrency",
             "ConfigurationError",
             "Durability",
             "Exemption",

@@ -27,6 +27,7 @@ from .identity import ClientIdentity, KeyFunc
 from .metrics import PorchMetrics
 from .pool import KeyPool, Mailbox, MailboxStatistics, PoolStatistics
 from .ratelimit import (
+    Concurrency,
     Exemption,
     Limit,
     PolicyState,
@@ -51,6 +52,7 @@ __all__ = [
     "CallerScope",
     "ClientIdentity",
     "Clock",
+    "Concurrency",
     "ConfigurationError",
     "Durability",
     "Exemption",

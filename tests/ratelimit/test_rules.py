@@ -141,7 +141,7 @@ def test_several_rates() -> None:
             "rule path templates are {name} or {name:convertor} (letters, digits, _),"
             " got '/users/{id'",
         ),
-        (lambda: Rule([1]), "rule limits must be Limit instances or rate strings"),  # type: ignore[list-item]
+        (lambda: Rule([1]), "rule limits must be Limit or Concurrency instances or rate strings"),  # type: ignore[list-item]
         (lambda: Rule("1/s", methods=[]), "rule methods must name at least one method, or be None"),
         (
             lambda: Limit(5, 60, algorithm="leaky"),  # type: ignore[arg-type]

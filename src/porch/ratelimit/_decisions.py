@@ -44,13 +44,15 @@ def check_header_style(headers: object) -> None:
 @dataclass(frozen=True, slots=True)
 class PolicyState:
     """One limit's state after a decision (the policy a client is told: ``limit`` units per
-    ``window`` seconds; for gcra its burst per full refill)."""
+    ``window`` seconds; for gcra its burst per full refill; for a concurrency cap,
+    ``limit`` requests in flight, ``window`` 0 and ``unit`` ``"concurrent-requests"``)."""
 
     name: str
     limit: int
     window: float
     remaining: int
     reset_after: int  # whole seconds until more units are available, >= 1
+    unit: str = "requests"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,11 @@ class CompiledRule:
         "prefixes",
         "quotas",
         "rule",
+        "simple",
+        "slot_caps",
+        "slot_names",
+        "slot_prefixes",
+        "slot_status",
         "spans",
         "status_prefixes",
         "style",
@@ -126,17 +133,40 @@ class CompiledRule:
         self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in limits)
         self.limit_bytes = tuple(str(q).encode("ascii") for q in self.quotas)
         self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in limits)
+        # Concurrency caps (Concurrency): a slot key per cap, taken with the hit.
+        concurrency = rule.concurrency
+        self.slot_names = tuple(cap.name for cap in concurrency)
+        self.slot_caps = tuple(cap.amount for cap in concurrency)
+        self.slot_prefixes = tuple(f"rl\x1f{rule.name}\x1f{cap.name}\x1f" for cap in concurrency)
+        self.slot_status = tuple(f'"{cap.name}";r='.encode("ascii") for cap in concurrency)
+        # One rate limit, no cap: decide()'s fast path.
+        self.simple = len(limits) == 1 and not concurrency
         self.policy_header = ", ".join(
-            f'"{limit.name}";q={q};w={math.ceil(span)}'
-            for limit, q, span in zip(limits, self.quotas, self.spans, strict=True)
+            [
+                f'"{limit.name}";q={q};w={math.ceil(span)}'
+                for limit, q, span in zip(limits, self.quotas, self.spans, strict=True)
+            ]
+            + [f'"{cap.name}";q={cap.amount};qu="concurrent-requests"' for cap in concurrency]
         ).encode("ascii")
         # The two headers that never change for a one-limit rule, built once.
-        self.limit_header = (b"x-ratelimit-limit", self.limit_bytes[0])
+        self.limit_header = (b"x-ratelimit-limit", self.limit_bytes[0] if limits else b"")
         self.policy_pair = (b"ratelimit-policy", self.policy_header)
 
-    def hit(self, keys: list[str], cost: int = 1) -> Hit:
-        """A hit of ``cost`` units on ``keys`` (one per limit) under this rule."""
-        return Hit(keys, self.amounts, self.windows, self.algorithms, self.bursts, cost)
+    def hit(self, keys: list[str], cost: int = 1, slots: list[str] | None = None) -> Hit:
+        """A hit of ``cost`` units on ``keys`` (one per limit) under this rule, taking a slot
+        of each of ``slots`` (one per concurrency cap)."""
+        if slots is None:
+            return Hit(keys, self.amounts, self.windows, self.algorithms, self.bursts, cost)
+        return Hit(
+            keys,
+            self.amounts,
+            self.windows,
+            self.algorithms,
+            self.bursts,
+            cost,
+            slots,
+            self.slot_caps,
+        )
 
 
 def remembered_hit(
@@ -150,6 +180,7 @@ def remembered_hit(
     hit.full = [max(0.0, end - now) for end in entry.fulls]
     hit.retry = [max(0.0, end - now) for end in entry.retries]
     hit.stamp = entry.stamps
+    hit.in_flight = entry.in_flight
     hit.wall = wall
     return hit
 
@@ -158,7 +189,7 @@ def decide(
     compiled: CompiledRule, hit: Hit, client: str
 ) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
     """The response headers for a decision, and the refusal if the hit was refused."""
-    if hit.allowed and len(compiled.amounts) == 1:
+    if hit.allowed and compiled.simple:
         # The common case: one limit, no choosing, no refusal. Once per request, so
         # it reads each input once and formats each number once.
         cap = compiled.caps[0]
@@ -186,6 +217,8 @@ def decide(
             compiled.policy_pair,
             (b"ratelimit", status),
         ], None
+    if compiled.slot_caps:
+        return _decide_holding(compiled, hit, client)
     caps = compiled.caps
     n = len(caps)
     remaining = hit.remaining
@@ -219,5 +252,62 @@ def decide(
     policies = tuple(
         PolicyState(compiled.names[j], compiled.quotas[j], compiled.spans[j], remaining[j], t[j])
         for j in violated
+    )
+    return headers, Refusal(client, policies, retry_after, tuple(headers))
+
+
+def _decide_holding(
+    compiled: CompiledRule, hit: Hit, client: str
+) -> tuple[list[tuple[bytes, bytes]], Refusal | None]:
+    """:func:`decide` for a rule with concurrency caps (and any number of rate limits).
+
+    The draft's fields list every policy, the caps last (``r``: slots free, ``t`` 1: when
+    one frees is unknown); ``X-RateLimit-*`` describe the tightest rate limit (none for a
+    rule of caps only: a cap has no window to report). A refusal names what refused: the
+    rate limits that had no room and the caps that had no free slot; ``Retry-After`` is
+    1 for a cap."""
+    caps = compiled.caps
+    n = len(caps)
+    remaining = hit.remaining
+    t = [_ceil(min(r, c)) or 1 for r, c in zip(hit.next, caps, strict=True)]
+    slot_caps = compiled.slot_caps
+    in_flight = hit.in_flight or [0] * len(slot_caps)
+    free = [cap - f if f < cap else 0 for cap, f in zip(slot_caps, in_flight, strict=True)]
+    status = b", ".join(
+        [compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)]
+        + [
+            prefix + b"%d;t=1" % left
+            for prefix, left in zip(compiled.slot_status, free, strict=True)
+        ]
+    )
+    headers: list[tuple[bytes, bytes]] = []
+    if n and compiled.style in ("both", "x-ratelimit"):
+        i = min(range(n), key=lambda j: (remaining[j], -t[j]))
+        headers += [
+            (b"x-ratelimit-limit", compiled.limit_bytes[i]),
+            (b"x-ratelimit-remaining", b"%d" % remaining[i]),
+            (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + min(hit.full[i], caps[i]))),
+        ]
+    if compiled.style in ("both", "ietf"):
+        headers += [compiled.policy_pair, (b"ratelimit", status)]
+    if hit.allowed:
+        return headers, None
+    fits = hit.fits
+    rates = [j for j in range(n) if not fits[j]]
+    # A hit a rate limit refused took no slot: its caps are reported as they stand.
+    full = [k for k in range(len(slot_caps)) if in_flight[k] >= slot_caps[k]]
+    if not rates and not full:  # (a refusal the store reported without a reason)
+        rates = list(range(n))
+        full = list(range(len(slot_caps)))
+    retry_after = max(
+        [max(t[j], _ceil(min(hit.retry[j], caps[j])) or 1) for j in rates] + [1] * bool(full)
+    )
+    headers.append((b"retry-after", b"%d" % retry_after))
+    policies = tuple(
+        PolicyState(compiled.names[j], compiled.quotas[j], compiled.spans[j], remaining[j], t[j])
+        for j in rates
+    ) + tuple(
+        PolicyState(compiled.slot_names[k], slot_caps[k], 0.0, free[k], 1, "concurrent-requests")
+        for k in full
     )
     return headers, Refusal(client, policies, retry_after, tuple(headers))

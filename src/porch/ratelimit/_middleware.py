@@ -18,7 +18,7 @@ from .._asgi import adding_headers, pass_through, route_path, websocket_denial
 from .._eventlog import EventLog
 from .._paths import normalize_method
 from .._responses import problem
-from .._types import ASGIApp, Receive, Scope, Send
+from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..clock import Clock, SystemClock
 from ..errors import (
     ConfigurationError,
@@ -31,7 +31,7 @@ from ..errors import (
 from ..identity import ClientIdentity, KeyFunc
 from ..pool._pool import KeyPool
 from ..pool._shard import Call, Shard
-from ..store.base import Hit, StoreOp
+from ..store.base import Hit, StoreOp, Vacate
 from ._decisions import CompiledRule as _CompiledRule
 from ._decisions import (
     HeaderStyle,
@@ -41,7 +41,7 @@ from ._decisions import (
     decide,
     remembered_hit,
 )
-from ._refusals import RefusalMemory
+from ._refusals import RefusalMemory, Remembered
 from ._rules import Rule
 
 __all__ = ["Exemption", "PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
@@ -55,12 +55,21 @@ Exemption = Callable[[Scope], bool | Awaitable[bool]]
 
 
 def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
-    """A 429 ``application/problem+json`` body listing the violated policies."""
+    """A 429 ``application/problem+json`` body listing the violated policies (a concurrency
+    cap's with ``"unit": "concurrent-requests"``)."""
     return problem(
         429,
         f"rate limit exceeded; retry in {refusal.retry_after} s",
         violated=[
             {"policy": p.name, "limit": p.limit, "window": p.window, "reset_after": p.reset_after}
+            if p.unit == "requests"
+            else {
+                "policy": p.name,
+                "limit": p.limit,
+                "unit": p.unit,
+                "remaining": p.remaining,
+                "reset_after": p.reset_after,
+            }
             for p in refusal.violated
         ],
     )
@@ -84,6 +93,21 @@ class _HitCall(Call):
     def finish(self, shard: Shard) -> None:
         if not self.future.done():
             self.future.set_result(self.hit)
+
+
+class _VacateCall(Call):
+    __slots__ = ("vacate",)
+
+    def __init__(self, future: asyncio.Future[None], vacate: Vacate) -> None:
+        self.future = future
+        self.vacate = vacate
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        ops.append(self.vacate)
+
+    def finish(self, shard: Shard) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 class RateLimitMiddleware:
@@ -149,6 +173,11 @@ class RateLimitMiddleware:
             raise ConfigurationError(f"rule names must be unique, got {names}")
         offered = pool.store.capabilities.algorithms
         for r in rules:
+            if r.concurrency and not pool.store.capabilities.slots:
+                raise ConfigurationError(
+                    f"rule {r.name!r}: concurrency limit {r.concurrency[0].name!r} needs a store"
+                    f" that takes concurrency slots; {type(pool.store).__name__} does not"
+                )
             for limit in r.limits:
                 if limit.algorithm not in offered:
                     raise ConfigurationError(
@@ -277,6 +306,9 @@ class RateLimitMiddleware:
             return
         prefixes = compiled.prefixes
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
+        if compiled.slot_caps:
+            await self._holding(scope, receive, send, compiled, client, keys)
+            return
         memory = self._memory
         hit: Hit | PorchError | None = None
         if memory is None or not memory.entries:
@@ -353,12 +385,115 @@ class RateLimitMiddleware:
                 return True
         return False
 
+    async def _holding(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        compiled: _CompiledRule,
+        client: str,
+        keys: list[str],
+    ) -> None:
+        """A request of a rule with concurrency caps: its hit takes a slot of each, held
+        while the app runs and freed (:class:`Vacate`) before the response's last body
+        chunk leaves — so a client that sends its next request once it has read this
+        response finds the slot free — or when the app raises or the client leaves."""
+        memory = self._memory if keys else None
+        hit: Hit | PorchError | None = None
+        recalled: Remembered | None = None
+        while memory is not None:
+            found = memory.recall(keys[0])
+            if not isinstance(found, asyncio.Future):
+                recalled = found
+                break
+            await asyncio.shield(found)
+        if recalled is not None:
+            # A rate limit known to be spent: refused from memory, no slot asked for.
+            clock = self._clock
+            hit = remembered_hit(recalled, keys, compiled, clock.monotonic(), clock.wall())
+        else:
+            slots = [prefix + client for prefix in compiled.slot_prefixes]
+            try:
+                hit = await self._ask_store(keys, compiled, client, slots)
+            finally:
+                if memory is not None:
+                    # Only a rate limit's refusal is remembered: a slot may free at any moment.
+                    if isinstance(hit, Hit) and not hit.allowed and not all(hit.fits):
+                        memory.remember(keys[0], hit)
+                    else:
+                        memory.settle(keys[0])
+        if not isinstance(hit, Hit):
+            await self._failed(hit, scope, receive, send)
+            return
+        headers, refusal = decide(compiled, hit, client)
+        counters = compiled.counters
+        if refusal is not None:
+            if counters is not None:
+                counters[1].inc()
+            self._log_refusal(compiled, refusal)
+            if not self.dry_run:
+                response = self._on_refused(scope, refusal)
+                await response(scope, receive, adding_headers(send, headers))
+                return
+        elif counters is not None:
+            counters[0].inc()
+        if not hit.token:  # refused in a dry run: no slot to hold
+            await self.app(scope, receive, adding_headers(send, headers) if headers else send)
+            return
+        vacate = Vacate.of(hit)
+        vacated = False
+
+        async def free() -> None:
+            nonlocal vacated
+            if not vacated:
+                vacated = True
+                await self._vacate(client, vacate, compiled)
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await free()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, adding_headers(sending, headers) if headers else sending)
+        finally:
+            if not vacated:
+                # Shielded: a cancelled request (its client gone, the server stopping) still
+                # frees its slot; a second cancel leaves the vacate running on its own.
+                await asyncio.shield(asyncio.ensure_future(free()))
+
+    async def _vacate(self, client: str, vacate: Vacate, compiled: _CompiledRule) -> None:
+        """Free a request's slots; never refused (a full mailbox takes it all the same)."""
+        pool = self.pool
+        if pool.apply_now(client, vacate):
+            return
+        try:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            pool.submit(client, _VacateCall(future, vacate), must_deliver=True)
+            await future
+        except (StoreError, PoolClosedError) as exc:
+            # The store keeps what it can: SQLite writes the vacate with its next
+            # transaction, a lease store stops renewing the slots (they lapse within its
+            # lease), and a closing store frees every slot of this process.
+            self._log.event(
+                logging.ERROR,
+                ("vacate",),
+                asyncio.get_running_loop().time(),
+                1.0,
+                "porch: freeing a request's concurrency slots failed (%s)",
+                exc,
+                client=client,
+                rule=compiled.rule.name,
+                outcome="unavailable",
+                cause="store",
+            )
+
     async def _ask_store(
-        self, keys: list[str], compiled: _CompiledRule, client: str
+        self, keys: list[str], compiled: _CompiledRule, client: str, slots: list[str] | None = None
     ) -> Hit | PorchError:
         """The store's decision, or the error that kept it from deciding (logged)."""
         pool = self.pool
-        hit = compiled.hit(keys)
+        hit = compiled.hit(keys, slots=slots)
         if pool.apply_now(client, hit):
             return hit
         try:

@@ -27,6 +27,7 @@ class Remembered:
         "cost",
         "fits",
         "fulls",
+        "in_flight",
         "nexts",
         "refreshing",
         "remaining",
@@ -40,6 +41,7 @@ class Remembered:
         self.fits = hit.fits
         self.remaining = hit.remaining
         self.stamps = hit.stamp
+        self.in_flight = hit.in_flight  # a rule's concurrency caps, as they were (reported)
         # Monotonic seconds at which each limit has more units, is whole, would fit.
         self.nexts = [now + d for d in hit.next]
         self.fulls = [now + d for d in hit.full]

@@ -19,7 +19,7 @@ from .._paths import compile_path, normalize_method, path_matches
 from ..errors import ConfigurationError
 from ..store.base import ALGORITHMS, Algorithm
 
-__all__ = ["RATE_GRAMMAR", "Limit", "Rule"]
+__all__ = ["RATE_GRAMMAR", "Concurrency", "Limit", "Rule"]
 
 _T = TypeVar("_T")
 
@@ -191,15 +191,55 @@ def _once(what: str, said: _T | None, given: _T | None) -> _T | None:
     )
 
 
-def _limits_of(limits: Iterable[Limit | str] | Limit | str) -> tuple[Limit, ...]:
+@dataclass(frozen=True, slots=True, init=False)
+class Concurrency:
+    """At most ``amount`` requests of one key in flight at once: a cap, not a rate.
+
+    Among a rule's limits (``Rule([Limit("100/minute"), Concurrency(2)])``), a
+    request passes only if every rate limit has room *and* a slot of every
+    concurrency limit is free, all or nothing: a request a rate limit refuses
+    takes no slot, and one refused for want of a slot consumes no rate. It holds
+    its slot until its response ends (before the last body chunk leaves), its
+    handler raises or its client disconnects. A refusal is a 429 with
+    ``Retry-After: 1`` (when a slot frees is unknown). The count is the store's,
+    shared by every process and host on it; a process that dies holding slots
+    frees them at once (SQLite) or within the store's lease (PostgreSQL, Redis).
+    ``name`` defaults to ``"<amount>-in-flight"``.
+    """
+
+    amount: int
+    name: str
+
+    def __init__(self, amount: int, name: str = "") -> None:
+        if isinstance(amount, bool) or not isinstance(amount, int) or amount < 1:
+            raise ConfigurationError(f"concurrency amount must be an integer >= 1, got {amount!r}")
+        if not name:
+            name = f"{amount}-in-flight"
+        elif not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigurationError(f"concurrency name must be {_NAME_RULE}, got {name!r}")
+        object.__setattr__(self, "amount", amount)
+        object.__setattr__(self, "name", name)
+
+
+Limits = Iterable[Limit | Concurrency | str] | Limit | Concurrency | str
+"""What a rule counts: rate limits (a :class:`Limit`, or a rate string) and concurrency caps."""
+
+
+def _limits_of(limits: Limits) -> tuple[tuple[Limit, ...], tuple[Concurrency, ...]]:
     if isinstance(limits, str):
-        return Limit.parse(limits)
+        return Limit.parse(limits), ()
     if isinstance(limits, Limit):
-        return (limits,)
-    result: list[Limit] = []
+        return (limits,), ()
+    if isinstance(limits, Concurrency):
+        return (), (limits,)
+    rates: list[Limit] = []
+    caps: list[Concurrency] = []
     for limit in limits:
-        result.extend(Limit.parse(limit) if isinstance(limit, str) else [limit])
-    return tuple(result)
+        if isinstance(limit, Concurrency):
+            caps.append(limit)
+        else:
+            rates.extend(Limit.parse(limit) if isinstance(limit, str) else [limit])
+    return tuple(rates), tuple(caps)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -207,7 +247,9 @@ class Rule:
     """Which requests a set of limits applies to: a path (prefix or template) and methods.
 
     All limits of a rule are checked together: a request passes only if every
-    limit has room, and a refused request consumes none of them. ``path`` is
+    limit has room (and, for :class:`Concurrency` caps, a free slot), and a
+    refused request consumes none of them. ``limits`` holds the rate limits,
+    ``concurrency`` the caps, in the order given. ``path`` is
     a prefix (``/api`` selects ``/api`` and ``/api/x``, never ``/apiary``) and
     may hold ``{param}`` templates, one segment each (``/users/{id}/follow``).
     ``name`` is the counters' namespace (default: derived from path and
@@ -219,6 +261,7 @@ class Rule:
     """
 
     limits: tuple[Limit, ...]
+    concurrency: tuple[Concurrency, ...]
     path: str
     methods: frozenset[str] | None
     name: str
@@ -228,7 +271,7 @@ class Rule:
 
     def __init__(
         self,
-        limits: Iterable[Limit | str] | Limit | str,
+        limits: Limits,
         *,
         path: str = "/",
         methods: Iterable[str] | None = None,
@@ -236,14 +279,16 @@ class Rule:
         shared: bool = False,
         websocket: bool = False,
     ) -> None:
-        if not isinstance(limits, str | Limit):
+        if not isinstance(limits, str | Limit | Concurrency):
             limits = tuple(limits)
-            if not all(isinstance(limit, Limit | str) for limit in limits):
-                raise ConfigurationError("rule limits must be Limit instances or rate strings")
-        limits = _limits_of(limits)
-        if not limits:
-            raise ConfigurationError("a rule needs at least one Limit")
-        names = [limit.name for limit in limits]
+            if not all(isinstance(limit, Limit | Concurrency | str) for limit in limits):
+                raise ConfigurationError(
+                    "rule limits must be Limit or Concurrency instances or rate strings"
+                )
+        rates, concurrency = _limits_of(limits)
+        if not rates and not concurrency:
+            raise ConfigurationError("a rule needs at least one Limit (or Concurrency)")
+        names = [limit.name for limit in rates] + [cap.name for cap in concurrency]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"limit names within a rule must be unique, got {names}")
         if not isinstance(path, str) or not path.startswith("/"):
@@ -257,7 +302,8 @@ class Rule:
             name = _derived_name(path, normalized)
         elif not isinstance(name, str) or not _NAME.match(name):
             raise ConfigurationError(f"rule name must be {_NAME_RULE}, got {name!r}")
-        object.__setattr__(self, "limits", limits)
+        object.__setattr__(self, "limits", rates)
+        object.__setattr__(self, "concurrency", concurrency)
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "methods", normalized)
         object.__setattr__(self, "name", name)
@@ -282,12 +328,14 @@ class Rule:
 
     def signature(self) -> tuple[object, ...]:
         """What a namespace means: two rules with one name must agree on it (see Namespaces)."""
-        limits = tuple(
+        limits: tuple[tuple[object, ...], ...] = tuple(
             (limit.name, limit.amount, float(limit.window))
             if limit.algorithm == "fixed"
             else (limit.name, limit.amount, float(limit.window), limit.algorithm, limit.burst)
             for limit in self.limits
         )
+        if self.concurrency:
+            limits += tuple((cap.name, cap.amount, "in-flight") for cap in self.concurrency)
         if self.shared:
             return ("shared", limits)
         methods = None if self.methods is None else tuple(sorted(self.methods))

@@ -21,6 +21,7 @@ from .base import (
     StoredResponse,
     StoreOp,
     StoreStatistics,
+    Vacate,
 )
 from .sqlite import SQLiteStore
 from .urls import redact
@@ -41,6 +42,7 @@ __all__ = [
     "StoreOp",
     "StoreStatistics",
     "StoredResponse",
+    "Vacate",
     "open_store",
 ]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..errors import StoreError
-from .base import Hit, Settle
+from .base import Hit, Settle, Vacate
 
 __all__ = ["collapse_hits", "fill_alike", "fill_fixed", "refuse_unsupported"]
 
@@ -25,9 +25,10 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
     """The ops to send, and per sent hit (by position) the alike hits it stands for.
 
     Hits are alike when they name the same counters with the same amounts,
-    windows, algorithms, bursts and cost. Hits whose counters overlap without
-    being alike (a rule changed between hosts, another cost), or a counter a
-    :class:`Settle` of the batch names, keep one entry each, in arrival order.
+    windows, algorithms, bursts and cost, and the same concurrency slots with the
+    same caps. Hits whose counters or slots overlap without being alike (a rule
+    changed between hosts, another cost), or a counter a :class:`Settle` of the
+    batch names, keep one entry each, in arrival order.
     """
     sent: list[Op] = []
     alike: dict[int, list[Hit]] = {}
@@ -48,6 +49,8 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
                 and (op.algorithms is last.algorithms or op.algorithms == last.algorithms)
                 and (op.bursts is last.bursts or op.bursts == last.bursts)
                 and op.keys == last.keys
+                and op.slots == last.slots
+                and (op.caps is last.caps or op.caps == last.caps)
             ):
                 last_group.append(op)
                 continue
@@ -58,13 +61,15 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
                 op.cost,
                 None if op.algorithms is None else tuple(op.algorithms),
                 None if op.bursts is None else tuple(op.bursts),
+                None if op.slots is None else tuple(op.slots),
+                tuple(op.caps),
             )
             at = first.get(shape)
             if at is not None:
                 last, last_group = op, alike[at]
                 last_group.append(op)
                 continue
-            for key in op.keys:
+            for key in (*op.keys, *(op.slots or ())):
                 if owner.setdefault(key, shape) != shape:
                     return list(ops), {}  # a counter shared by unlike hits: one entry each
             first[shape] = len(sent)
@@ -137,8 +142,10 @@ def fill_fixed(
 
 def refuse_unsupported(ops: Sequence[object], store: str) -> None:
     """StoreError for an op a fixed-window, one-unit store cannot apply: a cost other
-    than 1, another algorithm, a settle."""
+    than 1, another algorithm, a settle, concurrency slots."""
     for op in ops:
+        if isinstance(op, Vacate) or (isinstance(op, Hit) and op.slots is not None):
+            raise StoreError(f"the {store} store takes no concurrency slots")
         if isinstance(op, Hit):
             if op.cost != 1:
                 raise StoreError(f"the {store} store counts one unit per hit, got {op.cost}")

@@ -44,6 +44,7 @@ __all__ = [
     "StoreOp",
     "StoreStatistics",
     "StoredResponse",
+    "Vacate",
     "stored_size",
 ]
 
@@ -79,6 +80,17 @@ class Hit:
     (``retry``); ``stamp``, the window the hit was counted in (what a
     :class:`Settle` names). ``wall`` is the wall time (Unix seconds) the
     decision was taken at, for the headers a client reads.
+
+    Concurrency (docs/design.md, "Slots"): ``slots`` names one key per
+    concurrency limit, ``caps`` how many requests each lets be in flight at once.
+    The hit is allowed only if it also finds a free slot under every one of them,
+    and then takes one of each in the same atomic step as its units (a hit a
+    rate limit refuses takes no slot; a hit without a slot consumes no units).
+    Results: ``token`` (> 0 once slots were taken: what the :class:`Vacate` that
+    frees them names) and, per slot key, ``in_flight``: the requests holding
+    one after the decision (this hit included if it took one). Slots are held
+    until vacated, or until their holder dies (backend-defined; a lease is
+    renewed by the store itself while the process lives).
     """
 
     __slots__ = (
@@ -86,14 +98,18 @@ class Hit:
         "allowed",
         "amounts",
         "bursts",
+        "caps",
         "cost",
         "fits",
         "full",
+        "in_flight",
         "keys",
         "next",
         "remaining",
         "retry",
+        "slots",
         "stamp",
+        "token",
         "wall",
         "windows",
     )
@@ -106,6 +122,8 @@ class Hit:
         algorithms: Sequence[Algorithm] | None = None,
         bursts: Sequence[int] | None = None,
         cost: int = 1,
+        slots: Sequence[str] | None = None,
+        caps: Sequence[int] = (),
     ) -> None:
         self.keys = keys
         self.amounts = amounts
@@ -113,6 +131,10 @@ class Hit:
         self.algorithms = algorithms
         self.bursts = bursts
         self.cost = cost
+        self.slots = slots
+        self.caps = caps
+        self.token = 0
+        self.in_flight: Sequence[int] = ()
         self.allowed = False
         # Empty until the store fills them (no list allocated per hit for nothing).
         self.fits: Sequence[bool] = ()
@@ -357,7 +379,26 @@ class Release:
         self.released = False
 
 
-StoreOp = Hit | Settle | Lookup | Claim | Save | Release
+class Vacate:
+    """Free the concurrency slots an allowed :class:`Hit` took: its ``slots`` and ``token``.
+
+    Never refused; a token whose slots are gone already (their holder's lease
+    ran out, the store was closed) frees nothing. ``Vacate.of(hit)`` builds it.
+    """
+
+    __slots__ = ("slots", "token")
+
+    def __init__(self, slots: Sequence[str], token: int) -> None:
+        self.slots = slots
+        self.token = token
+
+    @classmethod
+    def of(cls, hit: Hit) -> Vacate:
+        """The vacate of an allowed ``hit``'s slots."""
+        return cls(hit.slots or (), hit.token)
+
+
+StoreOp = Hit | Settle | Lookup | Claim | Save | Release | Vacate
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +481,15 @@ class Capabilities:
     """The algorithms the store's :class:`Hit` and :class:`Settle` decide (see
     :data:`Algorithm`): a rule using another is a ConfigurationError when its
     middleware is built. Every store decides fixed windows."""
+
+    slots: bool = False
+    """Whether the store's :class:`Hit` takes concurrency slots (``Hit.slots``) and its
+    :class:`Vacate` frees them: a rule with a concurrency limit on a store without is
+    a ConfigurationError when its middleware is built."""
+
+    slot_lease: float | None = None
+    """How long the slots of a holder that died stay taken at most (seconds): the lease
+    its heartbeat renews. None: they are freed when it dies (SQLite's OFD locks)."""
 
 
 class Store(Protocol):

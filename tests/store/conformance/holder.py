@@ -4,7 +4,10 @@ Opens the store with ``porch.open_store(URL, **OPTIONS)``, claims KEY and
 prints the claim as one JSON line (KEY ``-``: claims nothing). Then, one command
 per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
 201 with BODY, fenced by the claim's token), ``release``, ``hit KEY AMOUNT
-WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``probe-clock``
+WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``slot KEY CAP``
+(one Hit taking a concurrency slot of KEY, held until the process ends or
+``vacate``: its verdict and in-flight count), ``vacate`` (frees every slot
+taken), ``probe-clock``
 (this process's own wall clock), ``block SECONDS`` (answers ``blocking``, then
 blocks its event loop with synchronous work, as a handler doing sync I/O in an
 ``async def`` does, then answers ``blocked``), ``exit``. The tests kill it (-9)
@@ -23,7 +26,7 @@ import sys
 import time
 
 import porch
-from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
+from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse, Vacate
 
 
 def say(**fields: object) -> None:
@@ -42,6 +45,7 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
         if key != "-":
             await store.apply([claim])
         say(pid=os.getpid(), token=claim.token, held=claim.held, stored=claim.stored is not None)
+        slots: list[Hit] = []
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
             command, _, rest = line.strip().partition(" ")
@@ -55,6 +59,17 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 release = Release(key, claim.token)
                 await store.apply([release])
                 say(released=release.released)
+            elif command == "slot":
+                slot, cap = rest.split(" ")
+                hit = Hit([], [], [], slots=[slot], caps=[int(cap)])
+                await store.apply([hit])
+                if hit.allowed:
+                    slots.append(hit)
+                say(allowed=hit.allowed, in_flight=hit.in_flight)
+            elif command == "vacate":
+                await store.apply([Vacate.of(hit) for hit in slots])
+                say(vacated=len(slots))
+                slots = []
             elif command == "probe-clock":  # what this process's own clock says
                 say(now=time.time())
             elif command == "block":

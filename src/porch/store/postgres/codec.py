@@ -20,6 +20,7 @@ from ..base import (
     Settle,
     StoredResponse,
     StoreOp,
+    Vacate,
 )
 from .hits import HitArrays
 
@@ -76,6 +77,8 @@ def arguments(
             continue
         if isinstance(op, Settle):
             raise StoreError("the PostgreSQL store cannot settle a cost")
+        if isinstance(op, Vacate):
+            raise StoreError("the PostgreSQL store takes no concurrency slots")
         keys[i] = op.key
         if isinstance(op, Lookup):
             kinds[i] = _LOOKUP

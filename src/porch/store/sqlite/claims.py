@@ -30,6 +30,7 @@ import errno
 import hashlib
 import logging
 import os
+import secrets
 import struct
 import threading
 from collections.abc import Callable
@@ -46,12 +47,16 @@ try:
 
     _SETLK: int | None = fcntl.F_OFD_SETLK  # type: ignore[attr-defined,unused-ignore]
     _SETLKW: int | None = fcntl.F_OFD_SETLKW  # type: ignore[attr-defined,unused-ignore]
+    _GETLK: int | None = fcntl.F_OFD_GETLK  # type: ignore[attr-defined,unused-ignore]
 except (ImportError, AttributeError):  # not Linux
-    _SETLK = _SETLKW = None
+    _SETLK = _SETLKW = _GETLK = None
 
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (must be 0 for OFD locks).
 _FLOCK = "hhqqi4x"
 _OFFSETS = 1 << 62
+# Bytes from 2**62 up are holders' (an open store with concurrency slots, see slots.py):
+# keys' bytes lie below, so a holder's byte never meets a claim's.
+_HOLDERS = 1 << 62
 
 
 def ofd_locks_available() -> bool:
@@ -76,12 +81,15 @@ def _fcntl_keeping_gil() -> Callable[[int, int, bytes], int] | None:
 class KeyLocks:
     """One lock file, opened once per process; a key's lock is one byte of it."""
 
-    __slots__ = ("_fd", "_nowait", "_pid", "path")
+    __slots__ = ("_fd", "_nowait", "_pid", "opened", "path")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd = -1
         self._pid = 0
+        # Counts the descriptors this object opened: one that changed dropped every
+        # lock taken on the one before (closed, or left in the parent of a fork).
+        self.opened = 0
         # Only for commands that never sleep: a blocking wait must release the GIL.
         self._nowait = _fcntl_keeping_gil() if _SETLK is not None else None
 
@@ -99,6 +107,7 @@ class KeyLocks:
             tighten(self.path)  # found 0644 (an earlier porch made it so): ours, so 0600
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._pid = pid
+            self.opened += 1
         return self._fd
 
     def _fcntl(self, command: int | None, key: str, kind: int, fd: int | None = None) -> None:
@@ -186,6 +195,27 @@ class KeyLocks:
                 return
             except InterruptedError:
                 continue
+
+    def take_holder(self) -> int:
+        """A new holder id (> 0), its byte locked on this process's descriptor: while the
+        lock is held, the holder lives (see slots.py). Raises OSError."""
+        fd = self._file()
+        while True:
+            holder = secrets.randbits(61) + 1
+            lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, _HOLDERS + holder, 1, 0)
+            if self.try_lock(fd, lock):
+                return holder
+
+    def holder_alive(self, holder: int) -> bool:
+        """Whether another open file description holds ``holder``'s byte: its store is open,
+        its process alive. (This process's own descriptor conflicts with none of its own
+        locks: never ask about its own holder.) Raises OSError."""
+        if _GETLK is None:
+            raise OSError(errno.ENOSYS, "open-file-description locks need Linux")
+        probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, _HOLDERS + holder, 1, 0)
+        answer = fcntl.fcntl(self._file(), _GETLK, probe)
+        (kind,) = struct.unpack_from("h", answer)
+        return bool(kind != fcntl.F_UNLCK)
 
     def release(self, key: str) -> None:
         """Drop the key's lock."""

@@ -18,9 +18,10 @@ from typing import Any
 
 from ...errors import StoreError
 from ..algorithms import FIXED, State, expiry, fresh, read, settle
-from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp
+from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp, Vacate
 from .claims import SQLiteClaims
 from .saves import Bodies, Heads, Usage, apply_writes, chunks
+from .slots import SQLiteSlots
 
 __all__ = ["apply_batch", "prune_expired", "split_key"]
 
@@ -64,16 +65,18 @@ def apply_batch(
     names: dict[str, int] | None = None,
     bodies: Bodies | None = None,
     heads: Heads | None = None,
+    slots: SQLiteSlots | None = None,
 ) -> None:
     """Apply ``ops`` with the clock read once for the whole transaction.
 
     ``names``: counter-name ids this connection already read (see _name_ids).
     ``bodies``: the side file of big bodies (None: every body is in the row).
     ``heads``: the stored forms of recent response heads (see headers_json).
+    ``slots``: this store's concurrency slots (None: a hit with slots is refused).
     """
     if len(ops) == 1:
         op = ops[0]
-        if type(op) is Hit and len(op.keys) == 1 and op.algorithms is None:
+        if type(op) is Hit and len(op.keys) == 1 and op.algorithms is None and op.slots is None:
             # The uncontended request's batch (see KeyPool.apply_now): the same rows and
             # verdict as _apply_counters, without its per-batch sets, dicts and SQL text.
             created = _apply_lone_hit(conn, op, now, wall, {} if names is None else names)
@@ -85,11 +88,11 @@ def apply_batch(
             if counts:
                 _prune_counters(conn, now, max(prune, 2 * created))
             return
-    counters: list[Hit | Settle] = []
+    counters: list[Hit | Settle | Vacate] = []
     reads: list[Claim | Lookup] = []
     writes: list[Save | Release] = []
     for op in ops:
-        if type(op) is Hit or type(op) is Settle:
+        if type(op) is Hit or type(op) is Settle or type(op) is Vacate:
             counters.append(op)
         elif type(op) is Claim or type(op) is Lookup:
             reads.append(op)
@@ -113,8 +116,10 @@ def apply_batch(
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
     if counters:
-        created = _apply_counters(conn, counters, now, wall, {} if names is None else names)
+        created = _apply_counters(conn, counters, now, wall, {} if names is None else names, slots)
         _prune_counters(conn, now, max(prune, 2 * created))
+    if slots is not None:
+        slots.write(conn)
 
 
 def prune_expired(conn: sqlite3.Connection, now: float, rows: int) -> int:
@@ -349,25 +354,32 @@ def _write_counters(
 
 def _apply_counters(
     conn: sqlite3.Connection,
-    ops: list[Hit | Settle],
+    ops: list[Hit | Settle | Vacate],
     now: float,
     wall: float,
     known: dict[str, int],
+    slots: SQLiteSlots | None = None,
 ) -> int:
-    """Decide the hits and apply the settles in arrival order; how many rows were created.
+    """Decide the hits and apply the settles and vacates in arrival order; how many rows
+    were created.
 
     Every key is read once per transaction and written once per transaction, however
     many ops share it.
     """
-    rows, places, names = _read_counters(conn, {key for op in ops for key in op.keys}, known)
+    keys = {key for op in ops if not isinstance(op, Vacate) for key in op.keys}
+    rows, places, names = _read_counters(conn, keys, known)
     created = 0
     for op in ops:
         if isinstance(op, Settle):
             _settle(op, rows, now, wall)
             continue
+        if isinstance(op, Vacate):
+            if slots is not None:
+                slots.vacate(op)
+            continue
         hit = op
         cost = hit.cost
-        if hit.algorithms is None and len(hit.keys) == 1:
+        if hit.algorithms is None and len(hit.keys) == 1 and hit.slots is None:
             # One fixed window (the common rule): no per-limit lists to build.
             key = hit.keys[0]
             amount = hit.amounts[0]
@@ -409,6 +421,15 @@ def _apply_counters(
             current.append(row)
             fits.append(row[0] + cost <= amount)
         allowed = all(fits)
+        if hit.slots is not None:
+            # Counted whatever the rate limits say (the headers report them); taken only
+            # with the units: all or nothing.
+            if slots is None:
+                raise StoreError("this SQLite store takes no concurrency slots")
+            free = slots.count(conn, hit)
+            allowed = allowed and free
+            if allowed:
+                slots.take(hit)
         if allowed:
             for key, row in zip(hit.keys, current, strict=True):
                 row[0] += cost

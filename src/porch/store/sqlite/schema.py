@@ -297,6 +297,17 @@ _MIGRATIONS: tuple[str, ...] = (
     """
     + _BYTES_TRIGGERS_V8.format(table="responses")
     + _BYTES_TRIGGERS_V8.format(table="reservations"),
+    # 9: concurrency slots (slots.py): how many requests of a key each holder (an open
+    # store, alive while its byte of the lock file is locked) has in flight. Rows of
+    # holders found dead are deleted; a key with none in flight has no row.
+    """
+    CREATE TABLE slots (
+        key    TEXT NOT NULL,
+        holder INTEGER NOT NULL,
+        count  INTEGER NOT NULL,
+        PRIMARY KEY (key, holder)
+    ) WITHOUT ROWID;
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)

@@ -29,10 +29,20 @@ from typing import TYPE_CHECKING, Any
 from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
-from ..base import Capabilities, Claims, Durability, Hit, Settle, StoreOp, StoreStatistics
+from ..base import (
+    Capabilities,
+    Claims,
+    Durability,
+    Hit,
+    Settle,
+    StoreOp,
+    StoreStatistics,
+    Vacate,
+)
 from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
 from .saves import BLOB_ABOVE, has_blob
+from .slots import SQLiteSlots
 from .upkeep import Checkpoints
 from .writer import Done, Job, SQLiteWriter, done_all, settle
 
@@ -111,6 +121,8 @@ class SQLiteStore(SQLiteWriter):
         # Idempotency owners of every process sharing this file lock keys here.
         self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
         self.claims: Claims = self._claims
+        # Concurrency slots: rows named by this store's holder, whose lock is in that file.
+        self._slots = SQLiteSlots(self._claims.locks)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,6 +162,8 @@ class SQLiteStore(SQLiteWriter):
             solo_save_bytes=BLOB_ABOVE,
             admin=self.admin,
             algorithms=frozenset({"fixed"}),
+            # Freed at once when the holding process dies: no lease (slot_lease None).
+            slots=True,
         )
 
     @property
@@ -221,7 +235,8 @@ class SQLiteStore(SQLiteWriter):
             self._queue.put(None)
             thread.join(timeout=_EXIT_JOIN)
         self._blobs.close_reader()
-        self._claims.close()  # drops every claim this process still holds
+        self._slots.close()
+        self._claims.close()  # drops every claim (and the slots' holder) this process holds
         try:
             await asyncio.to_thread(_last_out, self.path)
         except RuntimeError:  # at interpreter exit, as above
@@ -266,7 +281,7 @@ class SQLiteStore(SQLiteWriter):
         if (
             self.durability == "process"
             and len(ops) + self._inline_ops <= INLINE_OPS
-            and all(type(op) is Hit or type(op) is Settle for op in ops)
+            and all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
         ):
             if not self._inline or self._inline_loop is not loop:
                 # (Left by a loop that stopped before its flush ran: nobody waits for those.)
@@ -295,7 +310,7 @@ class SQLiteStore(SQLiteWriter):
             or self._thread is None
             or self._inline
             or not self._queue.empty()
-            or not all(type(op) is Hit or type(op) is Settle for op in ops)
+            or not all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
         ):
             return False
         return self._commit_inline(list(ops))

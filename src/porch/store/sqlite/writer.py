@@ -36,6 +36,7 @@ from .schema import (
     read_secret,
     rebase_after_reboot,
 )
+from .slots import SQLiteSlots
 from .upkeep import (
     FREE_PAGES,
     HOLD_POLL,
@@ -83,6 +84,7 @@ class SQLiteWriter:
     _log: EventLog
     _checkpoint_log: tuple[threading.Lock, EventLog]
     _claims: SQLiteClaims
+    _slots: SQLiteSlots
     _queue: queue.SimpleQueue[Job | None]
     _loop: asyncio.AbstractEventLoop | None
     _conn_lock: threading.Lock
@@ -206,9 +208,14 @@ class SQLiteWriter:
                     # are held for a checkpoint, it looks often for that checkpoint's end.
                     inline = self.durability == "process"
                     wait = HOLD_POLL if holding else self.upkeep_after
-                    job = get(timeout=wait) if idle_work or inline or holding else get()
+                    # Slots a failed transaction freed wait to be written: look again soon.
+                    timed = idle_work or inline or holding or self._slots.pending()
+                    job = get(timeout=wait) if timed else get()
                 except queue.Empty:
                     with self._conn_lock:
+                        if self._slots.pending() and self._loop is not None:
+                            self._writer_owns(conn)
+                            self._run(conn, [((), self._loop, _ignore)])
                         if holding:
                             self._writer_owns(conn)
                             checkpoints.committed(conn)
@@ -272,6 +279,8 @@ class SQLiteWriter:
                 if isinstance(exc, StoreError)
                 else StoreError(f"SQLite store {self.path}: {exc}")
             )
+            # Not retried: slots its vacates free stay free all the same.
+            self._slots.keep([op for ops, _, _ in jobs for op in ops])
         first = jobs[0][1]
         if all(loop is first for _, loop, _ in jobs):
             call_soon(first, done_all, [done for _, _, done in jobs], error)
@@ -298,14 +307,16 @@ class SQLiteWriter:
 
     def _transaction(self, conn: sqlite3.Connection, ops: list[StoreOp]) -> None:
         claims = self._claims
+        slots = self._slots
         try:
             conn.execute("BEGIN IMMEDIATE")
+            slots.begin()
             # The clock is read under the write lock, so every process decides on
             # times that are ordered the same way as their transactions.
             now = self.clock.monotonic()
             wall = self.clock.wall()
             names, bodies, heads = self._names, self._bodies, self._heads
-            apply_batch(conn, ops, now, wall, self.prune_batch, claims, names, bodies, heads)
+            apply_batch(conn, ops, now, wall, self.prune_batch, claims, names, bodies, heads, slots)
             if self._transactions % _FREELIST_EVERY == 0:
                 # A busy store is never idle: give back a little at a time. Looked at
                 # on every few transactions only: it is one more statement each time.
@@ -321,10 +332,12 @@ class SQLiteWriter:
                 # Claims taken by this transaction end with it; so do the claims its
                 # saves and releases were ending (nothing was stored).
                 claims.rolled_back()
+                slots.rolled_back()
                 if claims.holds_any():
                     _end_claims(claims, ops)
             raise
         claims.committed()
+        slots.committed()
         if claims.holds_any():
             _end_claims(claims, ops)
         self._transactions += 1
