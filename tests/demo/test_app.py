@@ -9,7 +9,7 @@ import pytest
 
 from porch.demo import DemoConfig, create_app
 from porch.ops.cli import main
-from support import HOSTILE_BODIES
+from support import HOSTILE_BODIES, until
 
 pytestmark = pytest.mark.anyio
 
@@ -252,3 +252,35 @@ def test_demo_quota_holds_two_of_the_largest_responses() -> None:
 
     assert quota_bytes(1 << 20, 8 << 20) == 8 << 20  # the default stays
     assert quota_bytes(100 << 20, 8 << 20) >= 2 * (100 << 20)
+
+
+async def test_max_in_flight_caps_one_clients_checkouts(tmp_path: Path) -> None:
+    config = DemoConfig(data_dir=str(tmp_path), limit=100, checkout_latency=1.0, max_in_flight=2)
+    app = create_app(config)
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    other = httpx.ASGITransport(app=app, client=("10.0.0.6", 1234))
+    order = {"item": "tea", "qty": 1}
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://demo") as c,
+        httpx.AsyncClient(transport=other, base_url="http://demo") as d,
+    ):
+        checkouts = [asyncio.ensure_future(c.post("/orders", json=order)) for _ in range(2)]
+        await until(lambda: app.state.pool.store.statistics().operations >= 2)
+        # Two checkouts of this client are in flight (each waits for the payment provider).
+        refused = await c.post("/orders", json=order)
+        assert (await c.get("/products")).status_code == 200  # not capped
+        assert (await d.post("/orders", json=order)).status_code == 201  # another client
+        done = await asyncio.gather(*checkouts)
+        again = await c.post("/orders", json=order)
+    await app.state.pool.close()
+    assert [r.status_code for r in done] == [201, 201]
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["violated"][0]["policy"] == "in-flight"
+    assert '"in-flight";q=2;qu="concurrent-requests"' in refused.headers["ratelimit-policy"]
+    assert again.status_code == 201
+
+
+def test_max_in_flight_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--max-in-flight", "0"]) == 2
+    assert "--max-in-flight must be >= 1, got 0" in capsys.readouterr().err

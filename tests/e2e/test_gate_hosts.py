@@ -50,9 +50,11 @@ class Shared(Protocol):
 
     url: str
     leases: bool  # a frozen claim holder is taken over (False: it keeps its claims)
+    slots: bool  # its store takes concurrency slots (--max-in-flight)
 
-    def count(self, client: str = CLIENT) -> int:
-        """The demo limiter's stored count for ``client`` (0 without a row)."""
+    def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
+        """The demo limiter's stored count for ``client`` (0 without a row); ``prefix``:
+        another rule's and limit's."""
         ...
 
     def claims(self) -> int:
@@ -64,17 +66,18 @@ class SQLite:
     """One file shared by two host processes of this machine (claims are OFD locks)."""
 
     leases = False
+    slots = True
 
     def __init__(self, root: Path) -> None:
         self.path = root / "shared" / "porch.sqlite3"
         self.url = f"sqlite:///{self.path}"
 
-    def count(self, client: str = CLIENT) -> int:
+    def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
         if not self.path.exists():
             return 0
         with contextlib.closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
             rows = conn.execute(
-                "SELECT count FROM counters WHERE key = ?", (DEMO_KEY_PREFIX + client,)
+                "SELECT count FROM counters WHERE key = ?", (prefix + client,)
             ).fetchall()
         return int(rows[0][0]) if rows else 0
 
@@ -86,6 +89,7 @@ class Postgres:
     """A database of this test's own on a server of its own (which it may stop or freeze)."""
 
     leases = True
+    slots = False
 
     def __init__(self, server: PostgresServer) -> None:
         self.server = server
@@ -93,10 +97,8 @@ class Postgres:
         _pg(server.url, f"CREATE DATABASE {self.database}")
         self.url = server.url.rsplit("/", 1)[0] + "/" + self.database
 
-    def count(self, client: str = CLIENT) -> int:
-        rows = _pg(
-            self.url, "SELECT count FROM porch.counters WHERE key = $1", DEMO_KEY_PREFIX + client
-        )
+    def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
+        rows = _pg(self.url, "SELECT count FROM porch.counters WHERE key = $1", prefix + client)
         return int(rows[0][0]) if rows else 0
 
     def claims(self) -> int:
@@ -129,18 +131,19 @@ class Redis:
     """A redis-server of this test's own, AOF synced at every write (the restart legs)."""
 
     leases = True
+    slots = False
 
     def __init__(self, server: RedisServer) -> None:
         self.server = server
         self.url = server.url
 
-    def count(self, client: str = CLIENT) -> int:
+    def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
         import redis
 
         connection = redis.Redis.from_url(self.url, socket_timeout=10)
         try:
             # The demo opens its store with the default prefix.
-            value: Any = connection.get(KeyNames("porch").counter(DEMO_KEY_PREFIX + client))
+            value: Any = connection.get(KeyNames("porch").counter(prefix + client))
         finally:
             connection.close()
         return int(value) if value is not None else 0
@@ -588,3 +591,134 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
     assert [r.status_code for r in responses] == [201] * 12
     assert len({r.content for r in responses}) == 1
     assert _orders_total(a, b) == 1
+
+
+# -- concurrency caps: --max-in-flight on POST /orders ----------------------------------
+
+CAP = 3
+# The rate counter of the demo's checkout rule (its own, with --max-in-flight): it counts
+# the checkouts admitted, so a test sees when a host's requests hold their slots.
+ORDERS_KEY_PREFIX = "rl\x1forders\x1fdemo\x1f"
+
+
+async def _checkouts(hosts: list[DemoServer], n: int) -> list[tuple[httpx.Response, float]]:
+    """``n`` POST /orders from this client at once, over ``hosts`` in turn, no key; each
+    response with the moment (monotonic) it came back."""
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, trust_env=False) as client:
+
+        async def one(host: DemoServer) -> tuple[httpx.Response, float]:
+            response = await client.post(f"{host.base_url}/orders", json=ORDER)
+            return response, time.monotonic()
+
+        return list(await asyncio.gather(*(one(hosts[i % len(hosts)]) for i in range(n))))
+
+
+def _capped(shared: Shared) -> None:
+    if not shared.slots:
+        pytest.skip("this store takes no concurrency slots yet")
+
+
+def _checkout(host: DemoServer) -> int:
+    return httpx.post(
+        f"{host.base_url}/orders", json=ORDER, timeout=TIMEOUT, trust_env=False
+    ).status_code
+
+
+def test_the_concurrency_cap_is_exact_across_two_hosts(demo: DemoLauncher, shared: Shared) -> None:
+    """20 checkouts of one client at once over two hosts, capped at 3 in flight: 3 run (the
+    hosts' order tables, the handler's side), 17 are refused with Retry-After 1 — every
+    refusal before any of the 3 ended, so all 20 were decided while the 3 held their
+    slots, and a fourth order would be a fourth checkout in flight."""
+    _capped(shared)
+    a, b = two_hosts(demo, shared, max_in_flight=CAP, checkout_latency=4.0)
+    for round_ in (1, 2):  # the second: the slots came back when the responses ended
+        results = asyncio.run(_checkouts([a, b], 20))
+        created = [at for r, at in results if r.status_code == 201]
+        refused = [(r, at) for r, at in results if r.status_code == 429]
+        assert len(created) + len(refused) == 20, [r.status_code for r, _ in results]
+        assert max(at for _, at in refused) < min(created), "a refusal came after a slot freed"
+        assert len(created) == CAP
+        assert _orders_total(a, b) == CAP * round_
+        for response, _ in refused:
+            assert response.headers["retry-after"] == "1"
+            assert '"in-flight";r=0;t=1' in response.headers["ratelimit"]
+            assert response.json()["violated"][0]["policy"] == "in-flight"
+    # A refusal for want of a slot consumed no rate: only the checkouts that ran count.
+    assert shared.count(prefix=ORDERS_KEY_PREFIX) == 2 * CAP
+
+
+def _holding(shared: Shared, slots: int) -> None:
+    wait_until(
+        lambda: shared.count(prefix=ORDERS_KEY_PREFIX) == slots,
+        f"{slots} checkouts admitted, holding their slots",
+        20.0,
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_hosts_slots_come_back_at_once_or_within_the_lease(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    """A host killed (-9) in the middle of two checkouts holding both slots: the other
+    host admits the client again at once (SQLite: the kernel dropped the holder's lock)
+    or within the lease (PostgreSQL, Redis: 3 s by default)."""
+    _capped(shared)
+    options: dict[str, Any] = {"store": shared.url, "max_in_flight": 2}
+    a = demo.start(limit=10000, window=600, checkout_latency=60.0, **options)
+    b = demo.start(limit=10000, window=600, checkout_latency=0.05, **options)
+
+    async def hold_then_kill() -> float:
+        async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+            held = [
+                asyncio.create_task(client.post(f"{a.base_url}/orders", json=ORDER))
+                for _ in range(2)
+            ]
+            await asyncio.to_thread(_holding, shared, 2)
+            assert await asyncio.to_thread(_checkout, b) == 429
+            a.kill()
+            died = time.monotonic()
+            for task in held:
+                with pytest.raises(httpx.HTTPError):
+                    await task
+            return died
+
+    died = asyncio.run(hold_then_kill())
+    while (status := _checkout(b)) == 429:
+        assert time.monotonic() - died < 15.0, "the killed host's slots never came back"
+        time.sleep(0.05)
+    freed = time.monotonic() - died
+    assert status == 201
+    if shared.leases:
+        assert freed < 3.0 + 1.5, freed  # the lease, and slack for a loaded machine
+    else:
+        assert freed < 1.0, freed  # at once: the first probes pass
+    assert orders_count(a) == 0
+
+
+@pytest.mark.slow
+def test_a_host_stopped_with_sigterm_frees_its_slots_at_once(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    """SIGTERM: the host finishes the checkouts in flight, frees their slots and closes its
+    store; the other host admits the client at once, not a lease later."""
+    _capped(shared)
+    options: dict[str, Any] = {"store": shared.url, "max_in_flight": 2}
+    a = demo.start(limit=10000, window=600, checkout_latency=2.0, **options)
+    b = demo.start(limit=10000, window=600, checkout_latency=0.05, **options)
+
+    async def hold_then_stop() -> list[int]:
+        async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+            held = [
+                asyncio.create_task(client.post(f"{a.base_url}/orders", json=ORDER))
+                for _ in range(2)
+            ]
+            await asyncio.to_thread(_holding, shared, 2)
+            assert await asyncio.to_thread(_checkout, b) == 429
+            await asyncio.to_thread(a.terminate)
+            return [(await task).status_code for task in held]
+
+    assert asyncio.run(hold_then_stop()) == [201, 201]  # finished before the host stopped
+    started = time.monotonic()
+    assert _checkout(b) == 201
+    assert time.monotonic() - started < 1.0

@@ -27,7 +27,7 @@ from ..identity import ClientIdentity
 from ..metrics import PorchMetrics
 from ..pool._pool import KeyPool
 from ..ratelimit._middleware import RateLimitMiddleware
-from ..ratelimit._rules import Limit, Rule
+from ..ratelimit._rules import Concurrency, Limit, Rule
 from ..store.base import Quota
 from .checks import (
     MAX_BODY,
@@ -151,7 +151,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     app.add_middleware(
         RateLimitMiddleware,
         pool=pool,
-        rules=Rule(Limit(config.limit, config.window, name="demo")),
+        rules=_rules(config),
         key=identity,
         exempt=("/health", "/metrics"),
     )
@@ -167,6 +167,18 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         # by default: a process id tells a client more about the host than it needs.
         app.add_middleware(_WorkerHeader)
     return app
+
+
+def _rules(config: DemoConfig) -> list[Rule]:
+    """Every request: --limit per --window per client. With --max-in-flight, checkout
+    (POST /orders) is also capped to that many requests of one client in flight: a rule
+    of its own (its rate counts on a counter of its own), first, so it selects them."""
+    rate = Limit(config.limit, config.window, name="demo")
+    rules = [Rule(rate)]
+    if config.max_in_flight is not None:
+        cap = Concurrency(config.max_in_flight, name="in-flight")
+        rules.insert(0, Rule([rate, cap], path="/orders", methods=["POST"], name="orders"))
+    return rules
 
 
 class _WorkerHeader:

@@ -28,6 +28,7 @@ class DemoConfig:
     pool_size: int | None = None  # None: the store's own shard count (KeyPool)
     mailbox: int = 1024
     checkout_latency: float = 0.0
+    max_in_flight: int | None = None  # a cap on one client's POST /orders in flight
     max_stored: int = 1 << 20  # the largest response stored for replay (IdempotencyPolicy)
     trust_proxy_hops: int = 0
     workers: int = 1
@@ -43,6 +44,8 @@ class DemoConfig:
             raise ConfigurationError(
                 f"--checkout-latency must be >= 0, got {self.checkout_latency}"
             )
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ConfigurationError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
         if self.max_stored < 0:
             raise ConfigurationError(f"--max-stored must be >= 0 bytes, got {self.max_stored}")
         if self.trust_proxy_hops < 0:

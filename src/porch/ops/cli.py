@@ -67,6 +67,14 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="simulated payment-provider delay inside POST /orders, seconds",
     )
     p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N requests of one client in flight on POST /orders (the next is 429"
+        " with Retry-After; that route then counts --limit on a counter of its own)",
+    )
+    p.add_argument(
         "--max-stored",
         type=int,
         default=1 << 20,
@@ -139,6 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
             pool_size=args.pool_size,
             mailbox=args.mailbox,
             checkout_latency=args.checkout_latency,
+            max_in_flight=args.max_in_flight,
             max_stored=args.max_stored,
             trust_proxy_hops=args.trust_proxy_hops,
             workers=args.workers,
