@@ -1,29 +1,47 @@
 """Memory of a ``porch demo`` process while a large response is stored and replayed.
 
-    python benchmarks/bigresponse.py [--size-mib 50] [--replays 3] [--store URL]
+    python benchmarks/bigresponse.py [--sizes 10,50,100] [--stores sqlite,postgres,redis]
+        [--replays 3] [--src PATH] [--label NAME] [--write]
 
-Starts ``porch demo`` on a loopback port with ``--max-stored`` above the size, sends one
-keyed ``POST /exports`` of ``--size-mib`` MiB (the owner's run: captured and stored), then
-``--replays`` replays of it, and reads the server's resident memory from
+For each store and size: starts ``porch demo`` on a loopback port with ``--max-stored``
+above the size (PostgreSQL and Redis: a throwaway server on loopback, as bench.py's),
+sends one keyed ``POST /exports`` of that many MiB (the owner's run: captured and
+stored), then ``--replays`` replays of it, and reads the server's resident memory from
 ``/proc/PID/status`` every 5 ms meanwhile. Prints the idle RSS, then the peak RSS above
 it during the first run and during the replays, in MiB. Flat means the peak does not
 grow with the size (issue 29 item 3: bodies streamed in chunks to and from the store).
-Bounded: one server, 1 + ``--replays`` requests, each with a 300 s timeout.
+
+Results are kept in benchmarks/bigresponse.json under ``--label`` (default ``streamed``;
+``--src`` runs another checkout's ``src``, e.g. ``--src ../main/src --label before``);
+``--write`` renders every label kept there into docs/idempotency.md, between its
+``bigresponse`` markers. Bounded: one server at a time, 1 + ``--replays`` requests per
+size, each with a 300 s timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).with_name("bigresponse.json")
+DOC = ROOT / "docs" / "idempotency.md"
+BEGIN, END = "<!-- bigresponse:begin -->", "<!-- bigresponse:end -->"
 
 
 def _free_port() -> int:
@@ -66,22 +84,37 @@ class Peak:
         self._thread.join(5)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=50)
-    parser.add_argument("--replays", type=int, default=3)
-    parser.add_argument("--store", default=None, help="a store URL (default: SQLite)")
-    args = parser.parse_args()
-    size = args.size_mib << 20
+@contextmanager
+def store_server(name: str) -> Iterator[str | None]:
+    """The ``--store`` URL of a throwaway server for ``name`` (None: SQLite in the data dir)."""
+    if name == "sqlite":
+        yield None
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _stores import Postgres, Redis
+
+    server = Postgres() if name == "postgres" else Redis()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def measure(src: str, store: str | None, size_mib: int, replays: int) -> dict[str, Any]:
+    """One demo process: its idle RSS and its peaks above it, storing then replaying."""
+    size = size_mib << 20
     port = _free_port()
     with tempfile.TemporaryDirectory() as data:
         argv = [
             sys.executable, "-m", "porch", "demo", "--port", str(port), "--data-dir", data,
             "--limit", "1000", "--max-stored", str(size + (1 << 20)),
         ]  # fmt: skip
-        if args.store:
-            argv += ["--store", args.store]
-        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if store:
+            argv += ["--store", store]
+        env = {**os.environ, "PYTHONPATH": src}
+        server = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 30
@@ -96,24 +129,23 @@ def main() -> int:
                 time.sleep(0.1)
             idle = _rss_kib(server.pid)
             peak = Peak(server.pid)
-            key = {"Idempotency-Key": f"bigresponse-{os.getpid()}"}
+            key = {"Idempotency-Key": f"bigresponse-{os.getpid()}-{size_mib}"}
             with httpx.Client(timeout=300, trust_env=False) as client:
                 first = client.post(base + "/exports", json={"size": size}, headers=key)
                 stored = peak.take()
-                replays = []
-                for _ in range(args.replays):
-                    replays.append(client.post(base + "/exports", json={"size": size}, headers=key))
+                exact = first.status_code == 201 and len(first.content) == size
+                for _ in range(replays):
+                    again = client.post(base + "/exports", json={"size": size}, headers=key)
+                    exact = exact and again.headers.get("idempotent-replayed") == "true"
+                    exact = exact and again.content == first.content
                 replayed = peak.take()
             peak.stop()
-            ok = all(
-                r.headers.get("idempotent-replayed") == "true" and r.content == first.content
-                for r in replays
-            )
-            print(f"response: {args.size_mib} MiB, status {first.status_code}, replays exact: {ok}")
-            print(f"idle RSS: {idle / 1024:.1f} MiB")
-            print(f"peak above idle, first run (stored): {(stored - idle) / 1024:.1f} MiB")
-            print(f"peak above idle, {args.replays} replays: {(replayed - idle) / 1024:.1f} MiB")
-            return 0 if ok and first.status_code == 201 else 1
+            return {
+                "idle_mib": round(idle / 1024, 1),
+                "stored_mib": round((stored - idle) / 1024, 1),
+                "replayed_mib": round((replayed - idle) / 1024, 1),
+                "exact": exact,
+            }
         finally:
             server.terminate()
             try:
@@ -121,6 +153,73 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(10)
+
+
+def render(results: dict[str, Any]) -> str:
+    """The docs block: one row per label, store and size."""
+    lines = [
+        BEGIN,
+        "| code | store | response | idle RSS | peak above idle, stored | peak above idle,"
+        " replays | replays exact |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for label, run in results["runs"].items():
+        for store, sizes in run["stores"].items():
+            for size, row in sorted(sizes.items(), key=lambda item: int(item[0])):
+                lines.append(
+                    f"| {label} | {store} | {size} MiB | {row['idle_mib']} MiB"
+                    f" | +{row['stored_mib']} MiB | +{row['replayed_mib']} MiB"
+                    f" | {'yes' if row['exact'] else 'NO'} |"
+                )
+    commands = "; ".join(
+        f"`{run['command']}` ({run['date'][:10]})" for run in results["runs"].values()
+    )
+    lines += ["", f"Measured with {commands}, {results['replays']} replays each.", END]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="10,50,100", help="MiB, comma-separated")
+    parser.add_argument("--stores", default="sqlite,postgres,redis")
+    parser.add_argument("--replays", type=int, default=3)
+    parser.add_argument("--src", default=str(ROOT / "src"), help="the porch checkout's src")
+    parser.add_argument("--label", default="streamed", help="what the results are kept under")
+    parser.add_argument("--write", action="store_true", help="render into docs/idempotency.md")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    stores = [s for s in args.stores.split(",") if s]
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
+    results["replays"] = args.replays
+    run: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "command": " ".join(["python", "benchmarks/bigresponse.py", *sys.argv[1:]]).replace(
+            " --write", ""
+        ),
+        "stores": {},
+    }
+    ok = True
+    for name in stores:
+        with store_server(name) as url:
+            for size in sizes:
+                row = measure(args.src, url, size, args.replays)
+                ok = ok and row["exact"]
+                run["stores"].setdefault(name, {})[str(size)] = row
+                print(
+                    f"{args.label} {name} {size} MiB: idle {row['idle_mib']} MiB,"
+                    f" stored +{row['stored_mib']} MiB, {args.replays} replays"
+                    f" +{row['replayed_mib']} MiB, exact: {row['exact']}",
+                    flush=True,
+                )
+    results["runs"][args.label] = run
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    if args.write:
+        text = DOC.read_text()
+        block = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+        if not block.search(text):
+            raise SystemExit(f"{DOC} has no {BEGIN} ... {END} block")
+        DOC.write_text(block.sub(lambda _: render(results), text))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
