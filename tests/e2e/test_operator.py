@@ -146,10 +146,17 @@ def test_inspect_and_reset_a_running_server(demo: DemoLauncher) -> None:
 
 
 def test_purge_deletes_expired_rows(demo: DemoLauncher) -> None:
-    server = demo.start(limit=10, window=1, trust_proxy_hops=1)
+    # A window long enough for six requests on a loaded machine: a row whose window
+    # ended before the last of them would be pruned by that request's transaction.
+    server = demo.start(limit=10, window=3, trust_proxy_hops=1)
     for n in range(6):
         assert get(server, f"10.4.0.{n}").status_code == 200
-    time.sleep(1.5)  # every window has ended; the rows stay until touched (or purged)
+    rows = server.counters()
+    assert len(rows) == 6
+    # Until every window has ended (the demo's clock is this host's monotonic clock):
+    # the rows stay until touched (or purged).
+    last = max(row.expires for row in rows.values())
+    wait_until(lambda: time.monotonic() > last, "every window ended", 10.0)
     assert len(server.counters()) == 6
     done = porch_cli("purge", "--data-dir", str(server.data_dir))
     assert done.returncode == 0, done.stderr
