@@ -3,7 +3,7 @@
     python benchmarks/pgdriver.py [--seconds 3] [--rounds 3] [--in-flight 4]
 
 porch's PostgreSQL store sends each batch as ONE call of a server-side function
-(``hits_v1`` for the limiter: seven array arguments, a few rows back) in
+(``hits_v2`` for the limiter: eleven array arguments, a few rows back) in
 autocommit, with a few batches in flight per process. So what a driver costs
 porch is the event loop's CPU per call (the app's core is the bottleneck; the
 server runs on the other) and the calls per second it sustains. This runs that
@@ -35,16 +35,25 @@ from _stores import Postgres
 
 Call = Callable[[], Awaitable[Any]]
 
-_HOT = (["rl\x1fr\x1f1000000000-per-60s\x1f10.0.0.1"], [1], [10**9], [60.0], [1], [16], 64)
+# hits_v2's arguments (store/postgres/hits.py): keys, then per limit its key, amount and
+# window (tags, bursts, deltas and stamps empty: fixed windows), per hit its first limit,
+# multiplicity and cost; the prune bound; no test clock.
+_HOT = (
+    ["rl\x1fr\x1f1000000000-per-60s\x1f10.0.0.1"],
+    [1], [10**9], [60.0], [], [], [], [], [1], [16], [1], 64, None,
+)  # fmt: skip
 _SPREAD = (
     [f"rl\x1fr\x1f1000000000-per-60s\x1f10.0.1.{i}" for i in range(16)],
     list(range(1, 17)),
     [10**9] * 16,
     [60.0] * 16,
+    [], [], [], [],
     list(range(1, 17)),
     [1] * 16,
+    [1] * 16,
     64,
-)
+    None,
+)  # fmt: skip
 SHAPES = {"hot client": _HOT, "16 clients": _SPREAD}
 
 
@@ -52,7 +61,7 @@ async def asyncpg_calls(url: str, n: int, args: tuple[Any, ...]) -> tuple[list[C
     import asyncpg
 
     conns = [await asyncpg.connect(url) for _ in range(n)]
-    sql = "SELECT * FROM porch.hits_v1($1, $2, $3, $4, $5, $6, $7)"
+    sql = "SELECT * FROM porch.hits_v2(" + ", ".join(f"${n}" for n in range(1, 14)) + ")"
 
     def call(conn: Any) -> Call:
         return lambda: conn.fetch(sql, *args)
@@ -71,8 +80,9 @@ async def psycopg_calls(
 
     conns = [await psycopg.AsyncConnection.connect(url, autocommit=True) for _ in range(n)]
     sql = (
-        "SELECT * FROM porch.hits_v1(%s::text[], %s::int[], %s::int[], %s::float8[],"
-        " %s::int[], %s::int[], %s::int)"
+        "SELECT * FROM porch.hits_v2(%s::text[], %s::int[], %s::bigint[], %s::float8[],"
+        " %s::int[], %s::bigint[], %s::bigint[], %s::float8[], %s::int[], %s::int[],"
+        " %s::bigint[], %s::int, %s::float8)"
     )
 
     def call(conn: Any) -> Call:

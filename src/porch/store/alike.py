@@ -14,9 +14,17 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..errors import StoreError
+from .algorithms import TAGS, State, charge, fits, report
 from .base import Hit, Settle, Vacate
 
-__all__ = ["collapse_hits", "fill_alike", "fill_fixed", "refuse_unsupported"]
+__all__ = [
+    "collapse_hits",
+    "fill_alike",
+    "fill_decided",
+    "fill_fixed",
+    "refuse_slots",
+    "refuse_unsupported",
+]
 
 Op = TypeVar("Op")
 
@@ -83,6 +91,101 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
                     return list(ops), {}
         sent.append(op)
     return sent, alike
+
+
+def fill_decided(
+    hits: Sequence[Hit],
+    allowed: int,
+    ns: Sequence[int],
+    ps: Sequence[int],
+    ss: Sequence[float],
+    t: float,
+    wall: float,
+) -> None:
+    """Fill alike hits in arrival order from a store's decision: the first ``allowed``
+    counted, the rest refused.
+
+    Per limit, the state ``(n, p, s)`` the first of them saw (read at ``t``: an
+    elapsed window rolled, a row of another algorithm fresh); the j-th hit sees it
+    charged min(j - 1, allowed) times, and reports it charged min(j, allowed) times
+    (docs/design.md, "Policies"), computed here as SQLite computes it
+    (:mod:`porch.store.algorithms`), so every store reports the same doubles.
+    ``wall``: the decisions' wall time.
+    """
+    first = hits[0]
+    cost = first.cost
+    amounts = first.amounts
+    windows = first.windows
+    algorithms = first.algorithms
+    if algorithms is None or all(a == "fixed" for a in algorithms):
+        # Fixed windows (the common rule): next, full and retry are all the window's end,
+        # one list shared, read only.
+        ends = [s + w - t for s, w in zip(ss, windows, strict=True)]
+        stamp = list(ss)
+        if len(ns) == 1:  # one limit: no comprehension per hit
+            count, amount = ns[0], amounts[0]
+            for j, hit in enumerate(hits, 1):
+                n = count + cost * (j if j < allowed else allowed)
+                hit.allowed = j <= allowed
+                hit.fits = [hit.allowed or n + cost <= amount]
+                hit.remaining = [amount - n if n < amount else 0]
+                hit.next = hit.full = hit.retry = ends
+                hit.stamp = stamp
+                hit.wall = wall
+            return
+        for j, hit in enumerate(hits, 1):
+            step = cost * (j if j < allowed else allowed)
+            hit.allowed = j <= allowed
+            counts = [c + step for c in ns]
+            hit.fits = [
+                c + cost <= a if j > allowed else True for c, a in zip(counts, amounts, strict=True)
+            ]
+            hit.remaining = [a - c if c < a else 0 for c, a in zip(counts, amounts, strict=True)]
+            hit.next = hit.full = hit.retry = ends
+            hit.stamp = stamp
+            hit.wall = wall
+        return
+    tags = [TAGS[a] for a in algorithms]
+    bursts = first.bursts if first.bursts is not None else amounts
+    limits = list(zip(tags, amounts, windows, bursts, strict=True))
+    # Each limit's states after 0, 1, ... allowed charges (as many as the hits need).
+    counted = min(allowed, len(hits))
+    states: list[list[State]] = []
+    for (tag, amount, window, _), n, p, s in zip(limits, ns, ps, ss, strict=True):
+        state: State = (n, p, s)
+        seq = [state]
+        for _ in range(counted):
+            state = charge(tag, state, cost, amount, window)
+            seq.append(state)
+        states.append(seq)
+    refused_fits: list[bool] | None = None
+    refused_reports: list[tuple[int, float, float, float, float]] | None = None
+    for j, hit in enumerate(hits, 1):
+        hit.allowed = j <= allowed
+        if hit.allowed:
+            hit.fits = [True] * len(limits)
+            reports = [
+                report(tag, seq[j], t, cost, amount, window, burst)
+                for (tag, amount, window, burst), seq in zip(limits, states, strict=True)
+            ]
+        else:
+            if refused_reports is None or refused_fits is None:
+                refused_fits = [
+                    fits(tag, seq[counted], t, cost, amount, window, burst)
+                    for (tag, amount, window, burst), seq in zip(limits, states, strict=True)
+                ]
+                refused_reports = [
+                    report(tag, seq[counted], t, cost, amount, window, burst)
+                    for (tag, amount, window, burst), seq in zip(limits, states, strict=True)
+                ]
+            hit.fits = refused_fits
+            reports = refused_reports
+        hit.remaining = [r[0] for r in reports]
+        hit.next = [r[1] for r in reports]
+        hit.full = [r[2] for r in reports]
+        hit.retry = [r[3] for r in reports]
+        hit.stamp = [r[4] for r in reports]
+        hit.wall = wall
 
 
 def fill_alike(
@@ -155,3 +258,11 @@ def refuse_unsupported(ops: Sequence[object], store: str) -> None:
                 )
         elif isinstance(op, Settle):
             raise StoreError(f"the {store} store cannot settle a cost")
+
+
+def refuse_slots(ops: Sequence[object], store: str) -> None:
+    """StoreError for concurrency slots, which a store that decides the policies does not
+    take yet."""
+    for op in ops:
+        if isinstance(op, Vacate) or (isinstance(op, Hit) and op.slots is not None):
+            raise StoreError(f"the {store} store takes no concurrency slots")

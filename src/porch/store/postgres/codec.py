@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from ...errors import StoreError
 from .._leases import CLAIM, HeldLeases
-from ..alike import fill_fixed
 from ..base import (
     Claim,
     Hit,
@@ -22,11 +20,11 @@ from ..base import (
     StoreOp,
     Vacate,
 )
-from .hits import HitArrays
+from .hits import CounterArrays, fill_counters
 
 __all__ = ["Op", "Renew", "arguments", "settle"]
 
-_HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW = 1, 2, 3, 4, 5, 6
+_HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW, _SETTLE = 1, 2, 3, 4, 5, 6, 7
 _BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
 _NO_QUOTA = (1 << 62, 1 << 62, 1 << 62)
 
@@ -46,13 +44,19 @@ Op = StoreOp | Renew
 
 
 def arguments(
-    ops: list[Op], alike: dict[int, list[Hit]], lease: float, prune: int, channel: str
+    ops: list[Op],
+    alike: dict[int, list[Hit]],
+    lease: float,
+    prune: int,
+    channel: str,
+    now: float | None,
 ) -> list[Any]:
-    """The apply function's 25 arguments for a batch (``alike``: see collapse_hits)."""
+    """The apply function's 31 arguments for a batch (``alike``: see collapse_hits;
+    ``now``: the counters' time from a test clock, None: the server's)."""
     n = len(ops)
     kinds = [0] * n
     keys: list[str] = [""] * n
-    hits = HitArrays()
+    counters = CounterArrays()
     hops: list[int] = []
     tokens: list[int | None] = [None] * n
     digests: list[bytes | None] = [None] * n
@@ -73,10 +77,13 @@ def arguments(
             kinds[i] = _HIT
             hops.append(i + 1)
             same = alike.get(i)
-            hits.add(op, 1 if same is None else len(same))
+            counters.add(op, 1 if same is None else len(same))
             continue
         if isinstance(op, Settle):
-            raise StoreError("the PostgreSQL store cannot settle a cost")
+            kinds[i] = _SETTLE
+            hops.append(i + 1)
+            counters.add(op, 0)
+            continue
         if isinstance(op, Vacate):
             raise StoreError("the PostgreSQL store takes no concurrency slots")
         keys[i] = op.key
@@ -114,10 +121,9 @@ def arguments(
             kinds[i] = _RENEW
             tokens[i] = op.token
     return [
-        kinds, keys, list(hits.ukeys), hits.lidx, hits.lamounts, hits.lwindows, hops,
-        hits.hstart, hits.hmult, tokens,
+        kinds, keys, *counters.arguments(), hops, tokens,
         digests, statuses, headers, bodies, ttls, scopes, scope_caps, total_caps, lease, prune,
-        channel, clients, client_caps, reserves, sizes,
+        channel, clients, client_caps, reserves, sizes, now,
     ]  # fmt: skip
 
 
@@ -128,10 +134,18 @@ def _caps(quota: Quota | None) -> tuple[int, int, int]:
     return quota.scope_bytes, quota.total_bytes, quota.client_bytes
 
 
-def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: HeldLeases) -> None:
+def settle(
+    ops: list[Op],
+    alike: dict[int, list[Hit]],
+    rows: list[Any],
+    held: HeldLeases,
+    wall: float | None = None,
+) -> None:
     """Fill in each op's result from the function's rows; keep ``held`` current (claims
-    taken and ended; a renewal's outcome is the heartbeat's to act on)."""
-    wall = next((row[3] for row in rows if row[0] == 0), 0.0)
+    taken and ended; a renewal's outcome is the heartbeat's to act on). ``wall``: the
+    decisions' wall time when a test clock took them (None: the server's time)."""
+    if any(type(op) is Hit for op in ops):
+        fill_counters(ops, alike, rows, wall)
     for row in rows:
         i = row[0]
         if i == 0:
@@ -140,9 +154,7 @@ def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: He
         code = row[1]
         kind = type(op)
         if kind is Hit:
-            # code: how many of the alike hits were allowed; row[4]: counts before them.
-            group: Sequence[Any] = alike.get(i - 1) or (op,)
-            fill_fixed(group, code, row[4], row[5], wall)
+            continue  # filled above
         elif kind is Lookup:
             lookup: Any = op
             lookup.result = _stored(row) if code == 1 else None
@@ -174,8 +186,8 @@ def settle(ops: list[Op], alike: dict[int, list[Hit]], rows: list[Any], held: He
 
 def _stored(row: Any) -> StoredResponse:
     return StoredResponse(
-        bytes(row[6]),
-        int(row[7]),
-        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(row[8])),
-        bytes(row[9]),
+        bytes(row[7]),
+        int(row[8]),
+        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(row[9])),
+        bytes(row[10]),
     )

@@ -1,17 +1,18 @@
-"""The server-side batch function ``<schema>.apply_v3`` and its helpers.
+"""The server-side batch function ``<schema>.apply_v4`` and its helpers.
 
 One call decides a whole batch in one transaction: see store.py for the
-protocol and schema.py for the tables it works on. ``apply_v3`` is
-``apply_v2`` (its interface was 21 arrays) with quotas per client and the
-reservations of claims: four more arrays (clients, client caps, reserves, the
-responses' sizes). Hosts of two porch versions share a schema during an
-upgrade, each calling its own function, so a changed interface is a new name;
-``apply_v2``, ``prune_responses`` stay as the previous version created them.
+protocol and schema.py for the tables it works on. ``apply_v4`` is
+``apply_v3`` with the policies' counter step (hits.py: algorithms, costs,
+settles; each hit answers its limits' state) and a test clock for the
+counters: its counter arrays and result columns changed. Hosts of two porch
+versions share a schema during an upgrade, each calling its own function, so
+a changed interface is a new name; ``apply_v3`` and ``hits_v1`` (and before
+them ``apply_v2``, ``prune_responses``) stay as the versions before created them.
 """
 
 from __future__ import annotations
 
-from .hits import LOCK_COUNTERS, decide_hits
+from .hits import COUNTER_ARGUMENTS, COUNTER_VARIABLES, LOCK_COUNTERS, decide_counters
 
 __all__ = ["APPLY_FUNCTION"]
 
@@ -19,12 +20,12 @@ __all__ = ["APPLY_FUNCTION"]
 # Its name carries its interface version, so hosts of two porch versions
 # sharing one schema during an upgrade each call their own.
 # Inputs are parallel arrays, one entry per op (kind 1 hit, 2 lookup, 3 claim,
-# 4 save, 5 release, 6 renew); the hits' limits come flattened: the distinct
-# counter keys (ukeys), then per limit the index of its key, its amount and
-# window, and per hit its op number, its first limit and its multiplicity (m
-# identical hits sent as one: decided in turn, the first k allowed). One
-# output row per op; op 0 carries the server time. A hit's row says how many
-# of its m were allowed (code) and the counts before them.
+# 4 save, 5 release, 6 renew, 7 settle); the counter ops' limits come flattened
+# (hits.py's counter step, CounterArrays), hops numbering each counter op's op.
+# One output row per op but settles; op 0 carries the counters' time. A hit's
+# row says how many of its alike hits were allowed (code) and each limit's state
+# before them (ns, ps, ss). ``tclock``: the counters' time from a test clock (NULL:
+# the server's); claims, leases and stored responses always run on the server's.
 #
 # Stored bytes: a stored response's row counts its size for its scope, its client
 # and the total; so does a claim's row while it holds a reservation (status NULL,
@@ -143,16 +144,16 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION {s}.apply_v3(
-    kinds int[], keys text[],
-    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
-    hmult int[],
+CREATE OR REPLACE FUNCTION {s}.apply_v4(
+    kinds int[], keys text[],"""
+    + COUNTER_ARGUMENTS
+    + r""", hops int[],
     tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
     ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
     lease float8, prune int, channel text,
-    clients text[], client_caps bigint[], reserves bigint[], sizes bigint[]
+    clients text[], client_caps bigint[], reserves bigint[], sizes bigint[], tclock float8
 ) RETURNS TABLE (
-    op int, code int, tok bigint, num float8, counts int[], resets float8[],
+    op int, code bigint, tok bigint, num float8, ns bigint[], ps bigint[], ss float8[],
     r_digest bytea, r_status int, r_headers text, r_body bytea
 ) LANGUAGE plpgsql SET search_path = {s}, pg_catalog
     SET plan_cache_mode = force_generic_plan AS $fn$
@@ -160,6 +161,9 @@ DECLARE
     n int := coalesce(array_length(kinds, 1), 0);
     rkeys text[];
     t float8;
+    tc float8;"""
+    + COUNTER_VARIABLES
+    + r"""
     i int;
     k text;
     rec record;
@@ -169,14 +173,6 @@ DECLARE
     saved boolean := false;
     pruned boolean := false;
     over int;
-    cc int[];
-    cs float8[];
-    ce float8[];
-    nh int := coalesce(array_length(hops, 1), 0);
-    h int;
-    a int;
-    b int;
-    x int;
     done boolean[] := array_fill(false, ARRAY[n]);
     ckeys text[];
     cidx int[];
@@ -187,7 +183,7 @@ DECLARE
     chc text[] := '{}';
     chb bigint[] := '{}';
     nkeys text[] := '{}';
-    claims boolean := nh < n;  -- anything but hits (a hits-only batch skips their steps)
+    claims boolean := nc < n;  -- anything but counter ops (a batch of them skips these steps)
 BEGIN
     -- Every table is reached through its key index (= ANY, or LATERAL per key):
     -- a join against an array would let the planner scan a whole table.
@@ -235,13 +231,13 @@ BEGIN
                 WHERE z.slot = pg_backend_pid() % 64 FOR UPDATE;
         END IF;
     END IF;
-    IF nh > 0 THEN"""
+    IF nc > 0 THEN"""
     + LOCK_COUNTERS
     + r"""
     END IF;
     IF claims THEN
         SELECT array_agg(DISTINCT keys[j]) INTO rkeys
-            FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
+            FROM generate_subscripts(kinds, 1) j WHERE kinds[j] BETWEEN 3 AND 6 AND NOT done[j];
     END IF;
     IF rkeys IS NOT NULL THEN
         -- An absent key gets an empty row first, so that two hosts claiming a new
@@ -255,16 +251,17 @@ BEGIN
             ON CONFLICT (key) DO NOTHING;
     END IF;
     t := extract(epoch FROM clock_timestamp());
+    tc := coalesce(tclock, t);
 
-    op := 0; code := 0; num := t;
+    op := 0; code := 0; num := tc;
     RETURN NEXT;
     num := NULL; tok := NULL; r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
 
-    -- Hits (the counter rows were locked and read above).
-    IF nh > 0 THEN"""
-    + decide_hits("hops[h]")
+    -- Hits and settles (the counter rows were locked and read above).
+    IF nc > 0 THEN"""
+    + decide_counters("hops[h]")
     + r"""
-        counts := NULL; resets := NULL;
+        ns := NULL; ps := NULL; ss := NULL;
     END IF;
 
     FOR i IN 1 .. CASE WHEN claims THEN n ELSE 0 END LOOP
@@ -273,7 +270,7 @@ BEGIN
         r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
         k := keys[i];
         CASE kinds[i]
-        WHEN 1 THEN  -- a hit: answered above
+        WHEN 1, 7 THEN  -- a hit or a settle: done above
             CONTINUE;
         WHEN 2 THEN  -- lookup: a live stored response, no lock
             SELECT r.digest, r.status, r.headers, r.body INTO r_digest, r_status, r_headers, r_body

@@ -1,13 +1,18 @@
-"""A batch of hits only (the limiter's batches): a lean server function and its codec.
+"""A batch of hits and settles (the limiter's batches): a lean server function and its codec.
 
-``apply_v3`` handles every kind of op; a batch of hits alone pays for its
-generality (25 array arguments, ten result columns, steps for claims it
-skips). Its row locks are held from the lock to the commit, and a hot
-counter's batches queue on its row, so the function's time per call bounds
-a hot client's throughput. Measured on one key, sequential calls, against
-``apply_v2`` (its predecessor): about a quarter less server CPU per call.
-Same rule, same lock order (counters by key), same exactness; one
-transaction per call, as ``apply_v3``.
+``apply_v4`` handles every kind of op; a batch of counter ops alone pays for
+its generality (twenty-odd array arguments, eleven result columns, steps for
+claims it skips). Its row locks are held from the lock to the commit, and a
+hot counter's batches queue on its row, so the function's time per call
+bounds a hot client's throughput. ``hits_v2`` is the counter step alone: same
+rule, same lock order (counters by key), same exactness; one transaction per
+call, as ``apply_v4``.
+
+The counter step decides the policies of docs/design.md ("Policies") in the
+spec's IEEE double arithmetic, in its order, as :mod:`porch.store.algorithms`
+does in Python: for each hit (or run of alike hits) how many fit every limit,
+and each limit's state before them, from which the client computes the
+reports with the same functions SQLite uses (:func:`porch.store.alike.fill_decided`).
 """
 
 from __future__ import annotations
@@ -15,164 +20,389 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..alike import fill_fixed
-from ..base import Hit
+from ..algorithms import TAGS
+from ..alike import fill_decided
+from ..base import Hit, Settle
 
 __all__ = [
     "HITS_FUNCTION",
     "LOCK_COUNTERS",
-    "HitArrays",
-    "decide_hits",
+    "CounterArrays",
+    "decide_counters",
+    "fill_counters",
     "hit_arguments",
-    "settle_hits",
 ]
 
-# The counter step, one SQL text spliced into both functions (hits_v1 here and
-# apply_v2 in function.py), so the rule is written once. Inputs (the hits'
-# arrays, see HitArrays): ukeys, lidx, lamounts, lwindows, hstart, hmult; the
-# caller declares t, nh (the number of hits), cc, cs, ce (count, window start,
-# expiry per ukey), a, b, x, sz, has the output columns op, code, counts,
-# resets, and an argument prune (how many expired counters to delete at most).
+# The counter step, SQL text spliced into both functions (hits_v2 here and apply_v4 in
+# function.py), so the rule is written once. Inputs (see CounterArrays): ukeys, lidx,
+# lamounts, lwindows, ltags, lbursts, ldeltas, lstamps, cstart, cmult, ccost; the caller
+# declares tc (the counters' time), nc (counter ops), nl (limits), the state arrays cn,
+# cp, cs, ce, ca, cd (count, previous count, start or TAT, expiry, algorithm, written)
+# per ukey, the scalars below, the output columns op, code, ns, ps, ss, and an argument
+# prune (how many expired counters to delete at most).
+COUNTER_VARIABLES = r"""
+    eps CONSTANT float8 := '1e-9';
+    nl int := coalesce(array_length(lidx, 1), 0);
+    nc int := coalesce(array_length(cstart, 1), 0);
+    cn bigint[];
+    cp bigint[];
+    cs float8[];
+    ce float8[];
+    ca int[];
+    cd boolean[];
+    h int;
+    a int;
+    b int;
+    x int;
+    xg int;
+    xw float8;
+    xa bigint;
+    xc bigint;
+    xd bigint;
+    xk bigint;
+    xj bigint;
+    xn bigint;
+    xp bigint;
+    xs float8;
+    xt float8;
+    xi float8;
+"""
 
-# Rows absent get created first (in key order, before any lock is held), then
-# every row is locked in key order and read in the same statement.
+# Rows absent get created first (in key order, before any lock is held), then every row
+# is locked in key order and read in the same statement.
 LOCK_COUNTERS = r"""
     INSERT INTO counters AS c (key, count, window_start, expires)
         SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
         ON CONFLICT (key) DO NOTHING;
     FOR attempt IN 1 .. 2 LOOP
-        SELECT array_agg(l.count ORDER BY u.n), array_agg(l.window_start ORDER BY u.n),
-               array_agg(l.expires ORDER BY u.n)
-            INTO cc, cs, ce
+        SELECT array_agg(l.count ORDER BY u.n), array_agg(l.previous ORDER BY u.n),
+               array_agg(l.window_start ORDER BY u.n), array_agg(l.expires ORDER BY u.n),
+               array_agg(l.algorithm ORDER BY u.n)
+            INTO cn, cp, cs, ce, ca
             FROM unnest(ukeys) WITH ORDINALITY u(k, n)
-            JOIN (SELECT x.key, x.count, x.window_start, x.expires FROM counters x
-                  WHERE x.key = ANY (ukeys) ORDER BY x.key FOR UPDATE) l ON l.key = u.k;
-        EXIT WHEN coalesce(array_length(cc, 1), 0) = array_length(ukeys, 1) OR attempt = 2;
+            JOIN (SELECT x.key, x.count, x.previous, x.window_start, x.expires, x.algorithm
+                  FROM counters x WHERE x.key = ANY (ukeys) ORDER BY x.key FOR UPDATE) l
+                ON l.key = u.k;
+        EXIT WHEN coalesce(array_length(cn, 1), 0) = array_length(ukeys, 1) OR attempt = 2;
         -- A row pruned between the insert and the lock comes back, locked by its insert.
         INSERT INTO counters AS c (key, count, window_start, expires)
             SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
             ON CONFLICT (key) DO NOTHING;
     END LOOP;
+    cd := array_fill(false, ARRAY[array_length(ukeys, 1)]);
+"""
+
+# The state (xn, xp, xs) of counter x as limit j sees it at tc (algorithms.read): a row
+# that is absent, expired or another algorithm's is read as absent; an elapsed window rolls.
+_READ = r"""
+            x := lidx[j]; xg := coalesce(ltags[j], 0); xw := lwindows[j]; xa := lamounts[j];
+            IF ca[x] <> xg OR tc >= ce[x] THEN
+                xn := 0; xp := 0; xs := tc;
+            ELSIF xg = 0 THEN
+                IF tc >= cs[x] + xw THEN
+                    xn := 0; xp := 0; xs := tc;
+                ELSE
+                    xn := cn[x]; xp := 0; xs := cs[x];
+                END IF;
+            ELSIF xg = 1 THEN
+                IF tc >= cs[x] + 2 * xw THEN
+                    xn := 0; xp := 0; xs := tc;
+                ELSIF tc >= cs[x] + xw THEN
+                    xn := 0; xp := cn[x]; xs := cs[x] + xw;
+                ELSE
+                    xn := cn[x]; xp := cp[x]; xs := cs[x];
+                END IF;
+            ELSE  -- gcra: tat = max(s, t)
+                xn := 0; xp := 0; xs := CASE WHEN cs[x] > tc THEN cs[x] ELSE tc END;
+            END IF;
+"""
+
+# Write (xn, xp, xs) to counter x with its expiry (algorithms.expiry).
+_WRITE = r"""
+            cn[x] := xn; cp[x] := xp; cs[x] := xs; ca[x] := xg; cd[x] := true;
+            ce[x] := CASE xg WHEN 0 THEN xs + xw WHEN 1 THEN xs + 2 * xw ELSE xs END;
 """
 
 
-def decide_hits(op: str) -> str:
-    """The SQL deciding the locked counters' hits at time t, one output row per hit.
+def decide_counters(op: str) -> str:
+    """The SQL deciding the locked counters' hits and settles at time tc, in arrival
+    order, one output row per hit (a refused hit consumes nothing; a settle has no row).
 
-    Each counter row is read once (LOCK_COUNTERS) and written once per batch;
-    in between the hits are decided in arrival order on arrays (a refused hit
-    consumes nothing). ``op``: the expression numbering hit h's output row.
+    Each counter row is read once (LOCK_COUNTERS) and written once per batch; in
+    between everything is decided on arrays. A hit's row: how many of its alike hits
+    fit every limit in turn (code), and per limit the state before them (ns, ps, ss).
+    ``op``: the expression numbering counter op h's output row.
     """
-    return r"""
-    FOR h IN 1 .. nh LOOP
-        a := hstart[h];
-        b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
-        sz := hmult[h];  -- how many of the m identical hits fit under every limit
-        counts := '{}'; resets := '{}';
+    return (
+        r"""
+    IF cardinality(ltags) = 0 AND cardinality(ldeltas) = 0 THEN
+    -- Fixed windows only, hits only (the common batch): the general loop below, less
+    -- what it does for other algorithms and settles, in fewer statements a limit.
+    FOR h IN 1 .. nc LOOP
+        a := cstart[h];
+        b := CASE WHEN h < nc THEN cstart[h + 1] - 1 ELSE nl END;
+        xc := ccost[h];
+        xk := cmult[h];
+        ns := '{}'; ss := '{}';
         FOR j IN a .. b LOOP
             x := lidx[j];
-            IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
-                cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
+            -- A fresh window replaces the row's state here, but is written only if a
+            -- hit is counted in it (cd): a refused hit writes nothing, and what a later
+            -- hit of this batch reads is the same either way.
+            IF ca[x] <> 0 OR tc >= ce[x] OR tc >= cs[x] + lwindows[j] THEN
+                cn[x] := 0; cp[x] := 0; cs[x] := tc; ce[x] := tc + lwindows[j]; ca[x] := 0;
             END IF;
-            sz := least(sz, greatest(lamounts[j] - cc[x], 0));
-            counts := counts || cc[x];
-            resets := resets || (ce[x] - t);
+            ns := ns || cn[x]; ss := ss || cs[x];
+            IF cn[x] + xk * xc > lamounts[j] THEN  -- n + c <= A, n growing by c a hit
+                xk := CASE WHEN xc = 0 THEN 0 ELSE greatest(0, (lamounts[j] - cn[x]) / xc) END;
+            END IF;
         END LOOP;
-        IF sz > 0 THEN
+        IF xk > 0 THEN
             FOR j IN a .. b LOOP
-                cc[lidx[j]] := cc[lidx[j]] + sz;
+                x := lidx[j]; cn[x] := cn[x] + xk * xc; ce[x] := cs[x] + lwindows[j];
+                cd[x] := true;
             END LOOP;
         END IF;
-        op := OP; code := sz;
+        op := OP; code := xk;
         RETURN NEXT;
     END LOOP;
-    UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
-        FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
-        WHERE c.key = u.k AND c.key = ANY (ukeys);
+    ELSE
+    FOR h IN 1 .. nc LOOP
+        a := cstart[h];
+        b := CASE WHEN h < nc THEN cstart[h + 1] - 1 ELSE nl END;
+        IF cmult[h] = 0 THEN  -- a settle (algorithms.settle): never refuses
+            FOR j IN a .. b LOOP
+                xd := ldeltas[j];
+                CONTINUE WHEN xd = 0;"""
+        + _READ
+        + r"""
+                IF xg = 2 THEN
+                    xi := xw / xa::float8;
+                    IF xd > 0 THEN
+                        xs := xs + xd * xi;
+                    ELSIF xs > tc THEN
+                        xt := xs + xd * xi;
+                        xs := CASE WHEN xt > tc THEN xt ELSE tc END;
+                    ELSE
+                        CONTINUE;  -- a refund to a full bucket
+                    END IF;
+                ELSIF xs = lstamps[j] THEN
+                    xn := greatest(0, xn + xd);
+                ELSIF xg = 1 AND xs = lstamps[j] + xw THEN  -- now the previous window
+                    xp := greatest(0, xp + xd);
+                ELSIF xd > 0 THEN  -- a debt follows the client into the current window
+                    xn := xn + xd;
+                ELSE
+                    CONTINUE;  -- a refund to a window that has gone
+                END IF;"""
+        + _WRITE
+        + r"""
+            END LOOP;
+            CONTINUE;
+        END IF;
+        xc := ccost[h];
+        xk := cmult[h];  -- how many of the alike hits fit every limit, in turn
+        ns := '{}'; ps := '{}'; ss := '{}';
+        FOR j IN a .. b LOOP"""
+        + _READ
+        + r"""
+            ns := ns || xn; ps := ps || xp; ss := ss || xs;
+            IF xg = 0 THEN  -- n + c <= A
+                IF xc = 0 THEN
+                    IF xn > xa THEN xk := 0; END IF;
+                ELSIF xn + xk * xc > xa THEN
+                    xk := greatest(0, (xa - xn) / xc);
+                END IF;
+            ELSIF xg = 1 THEN  -- p * w + n + c <= A + EPS, n growing by c a hit
+                xt := xp * ((xw - (tc - xs)) / xw);
+                xj := 0;
+                WHILE xj < xk AND xt + (xn + xj * xc) + xc <= xa + eps LOOP
+                    xj := CASE WHEN xc = 0 THEN xk ELSE xj + 1 END;
+                END LOOP;
+                xk := xj;
+            ELSE  -- (tat - t) + c * T <= T * B + EPS * T, tat growing by c * T a hit
+                xi := xw / xa::float8;
+                xj := 0;
+                WHILE xj < xk AND (xs - tc) + xc * xi <= xi * coalesce(lbursts[j], xa) + eps * xi
+                LOOP
+                    xs := xs + xc * xi;
+                    xj := CASE WHEN xc = 0 THEN xk ELSE xj + 1 END;
+                END LOOP;
+                xk := xj;
+            END IF;
+        END LOOP;
+        IF xk > 0 THEN
+            FOR j IN a .. b LOOP
+                x := lidx[j]; xg := coalesce(ltags[j], 0); xw := lwindows[j];
+                xn := ns[j - a + 1]; xp := ps[j - a + 1]; xs := ss[j - a + 1];
+                IF xg = 2 THEN
+                    xi := xw / lamounts[j]::float8;
+                    FOR i IN 1 .. xk LOOP
+                        xs := xs + xc * xi;
+                    END LOOP;
+                ELSE
+                    xn := xn + xk * xc;
+                END IF;"""
+        + _WRITE
+        + r"""
+            END LOOP;
+        END IF;
+        op := OP; code := xk;
+        RETURN NEXT;
+    END LOOP;
+    END IF;
+    UPDATE counters c SET count = u.n, previous = u.p, window_start = u.s, expires = u.e,
+            algorithm = u.a
+        FROM unnest(ukeys, cn, cp, cs, ce, ca, cd) u(k, n, p, s, e, a, d)
+        WHERE c.key = u.k AND c.key = ANY (ukeys) AND u.d;
     -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
     DELETE FROM counters c WHERE c.key IN (
-        SELECT x.key FROM counters x WHERE x.expires <= t
+        SELECT x.key FROM counters x WHERE x.expires <= tc
         ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
-""".replace("op := OP;", f"op := {op};")
+"""
+    ).replace("op := OP;", f"op := {op};")
 
 
-# One output row per hit, in order, plus row 0 with the server time.
+_COUNTER_ARGUMENTS = r"""
+    ukeys text[], lidx int[], lamounts bigint[], lwindows float8[], ltags int[],
+    lbursts bigint[], ldeltas bigint[], lstamps float8[], cstart int[], cmult int[],
+    ccost bigint[]"""
+
+# One output row per hit, in order, plus row 0 with the counters' time. The
+# counters' time (a test clock's, see PostgresStore(clock=)) is ``tclock``; NULL: the
+# server's.
 HITS_FUNCTION = (
     r"""
-CREATE OR REPLACE FUNCTION {s}.hits_v1(
-    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hstart int[], hmult int[],
-    prune int
-) RETURNS TABLE (op int, code int, num float8, counts int[], resets float8[])
+CREATE OR REPLACE FUNCTION {s}.hits_v2("""
+    + _COUNTER_ARGUMENTS
+    + r""",
+    prune int, tclock float8
+) RETURNS TABLE (
+    op int, code bigint, tok bigint, num float8, ns bigint[], ps bigint[], ss float8[]
+)
 LANGUAGE plpgsql SET search_path = {s}, pg_catalog
     SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
-    t float8;
-    nh int := array_length(hstart, 1);
-    cc int[];
-    cs float8[];
-    ce float8[];
-    a int;
-    b int;
-    x int;
-    sz int;
+    tc float8;"""
+    + COUNTER_VARIABLES
+    + r"""
 BEGIN"""
     + LOCK_COUNTERS
     + r"""
-    t := extract(epoch FROM clock_timestamp());
-    op := 0; code := 0; num := t;
+    tc := coalesce(tclock, extract(epoch FROM clock_timestamp()));
+    op := 0; code := 0; num := tc;
     RETURN NEXT;
     num := NULL;"""
-    + decide_hits("h")
+    + decide_counters("h")
     + r"""END
 $fn$;
 """
 )
 
+COUNTER_ARGUMENTS = _COUNTER_ARGUMENTS
 
-class HitArrays:
-    """A batch's hits flattened into the counter step's arrays (as both functions take them).
 
-    The distinct counter keys (``ukeys``, numbered from 1 in order of first
-    use), then per limit the number of its key, its amount and window, and per
-    hit its first limit and its multiplicity (m alike hits sent as one).
+class CounterArrays:
+    """A batch's hits and settles flattened into the counter step's arrays.
+
+    The distinct counter keys (``ukeys``, numbered from 1 in order of first use),
+    then per limit the number of its key, its amount, window, algorithm tag and
+    burst, and for a settle its delta and stamp; per counter op its first limit,
+    its multiplicity (m alike hits sent as one; 0: a settle) and its cost. Tags,
+    bursts, deltas and stamps stay empty until an op needs them (the server reads
+    a missing entry as fixed, the amount, nothing): a fixed-window batch sends
+    only what it did before.
     """
 
-    __slots__ = ("hmult", "hstart", "lamounts", "lidx", "lwindows", "ukeys")
+    __slots__ = (
+        "ccost",
+        "cmult",
+        "cstart",
+        "lamounts",
+        "lbursts",
+        "ldeltas",
+        "lidx",
+        "lstamps",
+        "ltags",
+        "lwindows",
+        "ukeys",
+    )
 
     def __init__(self) -> None:
         self.ukeys: dict[str, int] = {}
         self.lidx: list[int] = []
         self.lamounts: list[int] = []
         self.lwindows: list[float] = []
-        self.hstart: list[int] = []
-        self.hmult: list[int] = []
+        self.ltags: list[int | None] = []
+        self.lbursts: list[int | None] = []
+        self.ldeltas: list[int | None] = []
+        self.lstamps: list[float | None] = []
+        self.cstart: list[int] = []
+        self.cmult: list[int] = []
+        self.ccost: list[int] = []
 
-    def add(self, hit: Hit, multiplicity: int) -> None:
+    def add(self, op: Hit | Settle, multiplicity: int) -> None:
+        """Add a hit (standing for ``multiplicity`` alike hits) or a settle (0)."""
         lidx = self.lidx
         ukeys = self.ukeys
-        self.hstart.append(len(lidx) + 1)
-        self.hmult.append(multiplicity)
-        for key, amount, window in zip(hit.keys, hit.amounts, hit.windows, strict=True):
+        first = len(lidx)
+        self.cstart.append(first + 1)
+        self.cmult.append(multiplicity)
+        self.ccost.append(op.cost if type(op) is Hit else 0)
+        for key, amount, window in zip(op.keys, op.amounts, op.windows, strict=True):
             lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
             self.lamounts.append(amount)
             self.lwindows.append(float(window))
+        if op.algorithms is not None:
+            _extend(self.ltags, first, [TAGS[a] for a in op.algorithms])
+        if op.bursts is not None:
+            _extend(self.lbursts, first, op.bursts)
+        if type(op) is Settle:
+            _extend(self.ldeltas, first, op.deltas)
+            _extend(self.lstamps, first, [float(s) for s in op.stamps])
+
+    def arguments(self) -> list[Any]:
+        """The counter step's eleven arguments, in order."""
+        return [
+            list(self.ukeys), self.lidx, self.lamounts, self.lwindows, self.ltags,
+            self.lbursts, self.ldeltas, self.lstamps, self.cstart, self.cmult, self.ccost,
+        ]  # fmt: skip
 
 
-def hit_arguments(hits: Sequence[Any], alike: dict[int, list[Hit]], prune: int) -> list[Any]:
-    """hits_v1's arguments for a batch of hits (``alike``: see collapse_hits)."""
-    arrays = HitArrays()
-    for i, hit in enumerate(hits):
-        same = alike.get(i)
-        arrays.add(hit, 1 if same is None else len(same))
-    a = arrays
-    return [list(a.ukeys), a.lidx, a.lamounts, a.lwindows, a.hstart, a.hmult, prune]
+def _extend(column: list[Any], first: int, values: Sequence[Any]) -> None:
+    """Put ``values`` at positions ``first``.. of a column that may lag behind (None: the
+    server's default for the limits before)."""
+    if len(column) < first:
+        column.extend([None] * (first - len(column)))
+    column.extend(values)
 
 
-def settle_hits(hits: Sequence[Any], alike: dict[int, list[Hit]], rows: list[Any]) -> None:
-    """Fill in each hit (and the alike hits it stands for) from hits_v1's rows."""
-    wall = next(row[2] for row in rows if row[0] == 0)
+def hit_arguments(
+    ops: Sequence[Any], alike: dict[int, list[Hit]], prune: int, now: float | None
+) -> list[Any]:
+    """hits_v2's arguments for a batch of hits and settles (``alike``: see collapse_hits)."""
+    arrays = CounterArrays()
+    for i, op in enumerate(ops):
+        if type(op) is Settle:
+            arrays.add(op, 0)
+        else:
+            same = alike.get(i)
+            arrays.add(op, 1 if same is None else len(same))
+    return [*arrays.arguments(), prune, now]
+
+
+def fill_counters(
+    ops: Sequence[Any], alike: dict[int, list[Hit]], rows: list[Any], wall: float | None
+) -> None:
+    """Fill in each hit (and the alike hits it stands for) from the function's rows
+    (op, code, tok, num, ns, ps, ss ...: both functions' first columns; row h answers
+    ops[h - 1], row 0 carries the counters' time). ``wall``: the decisions' wall time
+    (None: that time, the server's)."""
+    t = next(row[3] for row in rows if row[0] == 0)
+    if wall is None:
+        wall = t
     for row in rows:
         i = row[0] - 1
-        if i < 0:
+        if i < 0 or type(ops[i]) is not Hit:
             continue
-        fill_fixed(alike.get(i) or (hits[i],), row[1], row[3], row[4], wall)
+        fill_decided(alike.get(i) or (ops[i],), row[1], row[4], row[5], row[6], t, wall)

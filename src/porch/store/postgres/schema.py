@@ -91,6 +91,18 @@ _MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (client, slot)
     );
     """,
+    # 4: the policies (docs/design.md, "Policies"): a counter's algorithm (0 fixed, 1
+    # sliding, 2 gcra) and the previous window's count (sliding). Columns with a
+    # constant default rewrite no row, so this takes no time on a big table; the
+    # previous release's functions, which write neither column, keep working on it.
+    # Counts stay 32-bit: widening them would rewrite the table under an exclusive lock
+    # (5.6 s for a million counters, beyond the statement timeout), so a count must
+    # stay below 2**31 here.
+    """
+    ALTER TABLE {s}.counters
+        ADD COLUMN algorithm smallint NOT NULL DEFAULT 0,
+        ADD COLUMN previous  integer  NOT NULL DEFAULT 0;
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)

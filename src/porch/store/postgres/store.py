@@ -2,8 +2,8 @@
 
 One round trip per batch: every queued batch (a shard's drain; batches of
 several shards that queue while the connections are busy are coalesced) is
-sent as ONE call of the server-side function ``<schema>.apply_v3`` (a batch
-of hits alone: the leaner ``hits_v1``, see hits.py) in autocommit mode, which
+sent as ONE call of the server-side function ``<schema>.apply_v4`` (a batch
+of hits and settles alone: the leaner ``hits_v2``, see hits.py) in autocommit mode, which
 is one transaction. The function locks every row it touches in
 one global order, reads the server's clock, and decides each operation in
 arrival order; window arithmetic therefore uses the database server's clock,
@@ -38,16 +38,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
+from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
 from .._leases import CLAIM, Heartbeat, HeldLeases
 from .._watches import Watches
-from ..alike import collapse_hits, refuse_unsupported
-from ..base import Capabilities, Claim, Hit, StoreOp, StoreStatistics
+from ..alike import collapse_hits, refuse_slots
+from ..base import ALGORITHMS, Capabilities, Claim, Hit, Settle, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Listen, Renewals, key_hash
 from .codec import Op, arguments, settle
-from .hits import hit_arguments, settle_hits
+from .hits import fill_counters, hit_arguments
 from .schema import migrate, quote_schema, read_secret
 
 if TYPE_CHECKING:
@@ -101,6 +102,12 @@ class PostgresStore:
     while the loop answers another's callers, in smaller, steadier bursts
     (measured, limiter-postgres interleaved with two on a loaded box: 0.44 ->
     0.60x bare, loop CPU 57.3 -> 53.3 us per request).
+
+    ``clock``: a test hook. Given one (a ``ManualClock``), hits and settles are decided
+    at its ``monotonic()`` time, sent with each batch, instead of at the server's clock
+    (and ``Hit.wall`` is its ``wall()``), so a test can move time for the counters;
+    claims, leases and stored responses keep the server's clock. Never in production:
+    hosts would each decide on their own clock.
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class PostgresStore:
         prune_batch: int = 64,
         in_flight: int = 4,
         application_name: str = "porch",
+        clock: Clock | None = None,
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigurationError(
@@ -146,13 +154,14 @@ class PostgresStore:
         self.connect_timeout = float(connect_timeout)
         self.statement_timeout = float(statement_timeout)
         self.prune_batch = prune_batch
+        self.clock = clock
         self.capabilities = Capabilities(
             # Four shards, whose batches go out on connections side by side.
             shards=4,
             in_flight=in_flight,
+            clock=clock,
             admin=self.admin,
-            # Fixed windows of one unit per hit; no settles yet (StoreError).
-            algorithms=frozenset({"fixed"}),
+            algorithms=frozenset(ALGORITHMS),
         )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
@@ -163,11 +172,15 @@ class PostgresStore:
             logger=logger,
         )
         self._sql = (
-            f"SELECT * FROM {quote_schema(schema)}.apply_v3("
-            + ", ".join(f"${n}" for n in range(1, 26))
+            f"SELECT * FROM {quote_schema(schema)}.apply_v4("
+            + ", ".join(f"${n}" for n in range(1, 32))
             + ")"
         )
-        self._hits_sql = f"SELECT * FROM {quote_schema(schema)}.hits_v1($1, $2, $3, $4, $5, $6, $7)"
+        self._hits_sql = (
+            f"SELECT * FROM {quote_schema(schema)}.hits_v2("
+            + ", ".join(f"${n}" for n in range(1, 14))
+            + ")"
+        )
         self._queue: asyncio.Queue[_Job | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop open() ran on
         self._workers: list[asyncio.Task[None]] = []
@@ -362,18 +375,22 @@ class PostgresStore:
         try:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
-            refuse_unsupported(ops, "PostgreSQL")
+            refuse_slots(ops, "PostgreSQL")
             sent, alike = collapse_hits(ops)
-            if sent and all(type(op) is Hit for op in sent):  # the limiter: a lean function
+            clock = self.clock
+            now = None if clock is None else clock.monotonic()
+            wall = None if clock is None else clock.wall()
+            if sent and all(type(op) is Hit or type(op) is Settle for op in sent):
+                # The limiter's batches: a lean function.
+                arguments = hit_arguments(sent, alike, self.prune_batch, now)
                 async with asyncio.timeout(self.statement_timeout + 0.5):
-                    rows = await conn.fetch(
-                        self._hits_sql, *hit_arguments(sent, alike, self.prune_batch)
-                    )
-                settle_hits(sent, alike, rows)
+                    rows = await conn.fetch(self._hits_sql, *arguments)
+                fill_counters(sent, alike, rows, wall)
             else:
+                arguments = self._arguments(sent, alike, now)
                 async with asyncio.timeout(self.statement_timeout + 0.5):
-                    rows = await conn.fetch(self._sql, *self._arguments(sent, alike))
-                settle(sent, alike, rows, self._held)
+                    rows = await conn.fetch(self._sql, *arguments)
+                settle(sent, alike, rows, self._held, wall)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     self._forget(job_ops)
@@ -401,8 +418,10 @@ class PostgresStore:
                     future.set_exception(error)
         return conn
 
-    def _arguments(self, ops: list[Op], alike: dict[int, list[Hit]]) -> list[Any]:
-        return arguments(ops, alike, self.lease, self.prune_batch, self.channel)
+    def _arguments(
+        self, ops: list[Op], alike: dict[int, list[Hit]], now: float | None = None
+    ) -> list[Any]:
+        return arguments(ops, alike, self.lease, self.prune_batch, self.channel, now)
 
     async def _call(self, conn: Any, ops: list[Op]) -> Any:
         """The batch function over ``ops`` on ``conn`` (the heartbeat's), bounded."""

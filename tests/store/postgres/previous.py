@@ -1,0 +1,533 @@
+"""The previous release's batch functions (schema version 3), verbatim: an old host's.
+
+The release before the policies (schema 3) created ``apply_v3`` (with its
+helpers ``prune_responses_v2``, ``prune_claims_v1``, ``quota_over_v1``) and
+``hits_v1``; this one calls ``apply_v4`` and ``hits_v2`` and no longer creates
+``apply_v3`` or ``hits_v1``, but its migration leaves them in place, so a host of
+the previous release keeps deciding on the shared schema during a rolling
+upgrade (tests/store/postgres/test_upgrade.py). Kept here as they were released
+(``{s}``: the quoted schema), never edited.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PREVIOUS_FUNCTIONS"]
+
+_APPLY_V3 = r"""
+-- PL/pgSQL, not SQL: its statements' plans are cached for the session. Generic
+-- plans, always: by default the planner re-plans a statement with array
+-- parameters on every call (measured: a quarter of the server's CPU per batch),
+-- and every statement here reaches its rows through a key index anyway.
+
+-- Delete up to n expired stored responses (of one scope or client, or any), skipping
+-- rows another batch holds, and take their bytes off through the caller's slot;
+-- return how many were deleted. The caller holds slot sl (locked first).
+CREATE OR REPLACE FUNCTION {s}.prune_responses_v2(
+    t float8, sl int, keep text, sc text, cl text, n int
+) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    deleted bigint;
+BEGIN
+    WITH d AS (
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x
+            WHERE x.status IS NOT NULL AND x.expires <= t
+              AND (x.lease_until IS NULL OR x.lease_until <= t)
+              AND (sc IS NULL OR x.scope = sc) AND (cl IS NULL OR x.client = cl)
+              AND x.key IS DISTINCT FROM keep
+            ORDER BY x.expires LIMIT n FOR UPDATE SKIP LOCKED)
+        RETURNING r.scope, r.client, r.size
+    ), g AS (
+        INSERT INTO usage AS u (scope, slot, bytes)
+            SELECT d.scope, sl, -sum(d.size) FROM d WHERE d.scope IS NOT NULL GROUP BY d.scope
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), c AS (
+        INSERT INTO client_usage AS u (client, slot, bytes)
+            SELECT d.client, sl, -sum(d.size) FROM d WHERE d.client IS NOT NULL
+            GROUP BY d.client
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), z AS (
+        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+            WHERE slot = sl
+    )
+    SELECT count(*) INTO deleted FROM d;
+    RETURN deleted;
+END
+$fn$;
+
+-- Delete up to n claims whose lease ended at or before t and nobody took over (their
+-- holder died), of one scope or client or any, freeing their reservations.
+CREATE OR REPLACE FUNCTION {s}.prune_claims_v1(
+    t float8, sl int, keep text, sc text, cl text, n int
+) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    deleted bigint;
+BEGIN
+    WITH d AS (
+        DELETE FROM records r WHERE r.key IN (
+            SELECT x.key FROM records x
+            WHERE x.status IS NULL AND x.lease_until <= t
+              AND (sc IS NULL OR x.scope = sc) AND (cl IS NULL OR x.client = cl)
+              AND x.key IS DISTINCT FROM keep
+            ORDER BY x.lease_until LIMIT n FOR UPDATE SKIP LOCKED)
+        RETURNING r.scope, r.client, r.size
+    ), g AS (
+        INSERT INTO usage AS u (scope, slot, bytes)
+            SELECT d.scope, sl, -sum(d.size) FROM d WHERE d.scope IS NOT NULL AND d.size <> 0
+            GROUP BY d.scope
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), c AS (
+        INSERT INTO client_usage AS u (client, slot, bytes)
+            SELECT d.client, sl, -sum(d.size) FROM d WHERE d.client IS NOT NULL AND d.size <> 0
+            GROUP BY d.client
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = u.bytes + excluded.bytes
+    ), z AS (
+        UPDATE usage_total SET bytes = bytes - (SELECT coalesce(sum(d.size), 0) FROM d)
+            WHERE slot = sl
+    )
+    SELECT count(*) INTO deleted FROM d;
+    RETURN deleted;
+END
+$fn$;
+
+-- Which cap sz more bytes would pass (0 none, 1 the scope's, 2 the client's, 3 the
+-- total): committed usage plus the changes (chs, chc, chb) this batch made so far.
+CREATE OR REPLACE FUNCTION {s}.quota_over_v1(
+    sc text, cl text, sz bigint, scap bigint, ccap bigint, tcap bigint,
+    chs text[], chc text[], chb bigint[]
+) RETURNS int LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    used bigint;
+BEGIN
+    SELECT coalesce((SELECT sum(g.bytes) FROM usage g WHERE g.scope = sc), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chs, chb) u(s, b) WHERE u.s = sc), 0)
+        INTO used;
+    IF used + sz > scap THEN
+        RETURN 1;
+    END IF;
+    SELECT coalesce((SELECT sum(g.bytes) FROM client_usage g WHERE g.client = cl), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chc, chb) u(c, b) WHERE u.c = cl), 0)
+        INTO used;
+    IF used + sz > ccap THEN
+        RETURN 2;
+    END IF;
+    SELECT coalesce((SELECT sum(z.bytes) FROM usage_total z), 0)
+         + coalesce((SELECT sum(u.b) FROM unnest(chb) u(b)), 0)
+        INTO used;
+    IF used + sz > tcap THEN
+        RETURN 3;
+    END IF;
+    RETURN 0;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.apply_v3(
+    kinds int[], keys text[],
+    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hops int[], hstart int[],
+    hmult int[],
+    tokens bigint[], digests bytea[], statuses int[], headers text[], bodies bytea[],
+    ttls float8[], scopes text[], scope_caps bigint[], total_caps bigint[],
+    lease float8, prune int, channel text,
+    clients text[], client_caps bigint[], reserves bigint[], sizes bigint[]
+) RETURNS TABLE (
+    op int, code int, tok bigint, num float8, counts int[], resets float8[],
+    r_digest bytea, r_status int, r_headers text, r_body bytea
+) LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    n int := coalesce(array_length(kinds, 1), 0);
+    rkeys text[];
+    t float8;
+    i int;
+    k text;
+    rec record;
+    sz bigint;
+    old bigint;
+    myslot int;
+    saved boolean := false;
+    pruned boolean := false;
+    over int;
+    cc int[];
+    cs float8[];
+    ce float8[];
+    nh int := coalesce(array_length(hops, 1), 0);
+    h int;
+    a int;
+    b int;
+    x int;
+    done boolean[] := array_fill(false, ARRAY[n]);
+    ckeys text[];
+    cidx int[];
+    wkeys text[];
+    -- The stored bytes this batch changes: one entry per change (scope, client, bytes),
+    -- written through its usage slot once, at the end.
+    chs text[] := '{}';
+    chc text[] := '{}';
+    chb bigint[] := '{}';
+    nkeys text[] := '{}';
+    claims boolean := nh < n;  -- anything but hits (a hits-only batch skips their steps)
+BEGIN
+    -- Every table is reached through its key index (= ANY, or LATERAL per key):
+    -- a join against an array would let the planner scan a whole table.
+    IF claims THEN
+    SELECT array_agg(keys[j]) FILTER (WHERE kinds[j] = 3),
+           array_agg(j) FILTER (WHERE kinds[j] = 3),
+           coalesce(array_agg(keys[j]) FILTER (WHERE kinds[j] IN (4, 5, 6)), '{}')
+        INTO ckeys, cidx, wkeys
+        FROM generate_subscripts(kinds, 1) j;
+    -- Replays first: a claim whose key holds a live stored response and no live
+    -- claim is answered without a lock (a stored response changes only once it
+    -- expired), so a batch of replays writes nothing and its commit does not
+    -- wait for a WAL flush. Keys this batch also saves or releases are left to
+    -- the ordered pass below.
+    t := extract(epoch FROM clock_timestamp());
+    FOR rec IN
+        SELECT u.j, r.digest, r.status, r.headers, r.body
+        FROM unnest(ckeys, cidx) u(k, j)
+        CROSS JOIN LATERAL (SELECT x.* FROM records x WHERE x.key = u.k) r
+        WHERE r.status IS NOT NULL AND r.expires > t
+          AND (r.lease_until IS NULL OR r.lease_until <= t)
+          AND NOT (u.k = ANY (wkeys))
+    LOOP
+        done[rec.j] := true;
+        op := rec.j; code := 1; num := NULL; tok := NULL;
+        r_digest := rec.digest; r_status := rec.status;
+        r_headers := rec.headers; r_body := rec.body;
+        RETURN NEXT;
+    END LOOP;
+    IF NOT (false = ANY (done)) THEN  -- replays only: nothing to lock, nothing written
+        RETURN;
+    END IF;
+    END IF;
+
+    -- Lock phase, always in one global order (a usage slot, counters, records),
+    -- rows by key: concurrent batches never deadlock. The slot comes first and
+    -- is taken only by batches that may change stored bytes (claims, saves and
+    -- releases; not replays, not renewals).
+    IF claims AND EXISTS (SELECT 1 FROM generate_subscripts(kinds, 1) j
+                          WHERE kinds[j] IN (3, 4, 5) AND NOT done[j]) THEN
+        SELECT z.slot INTO myslot FROM usage_total z
+            ORDER BY (z.slot + pg_backend_pid()) % 64 LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF myslot IS NULL THEN  -- all 64 busy: queue for one, holding nothing else yet
+            SELECT z.slot INTO myslot FROM usage_total z
+                WHERE z.slot = pg_backend_pid() % 64 FOR UPDATE;
+        END IF;
+    END IF;
+    IF nh > 0 THEN
+    INSERT INTO counters AS c (key, count, window_start, expires)
+        SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+        ON CONFLICT (key) DO NOTHING;
+    FOR attempt IN 1 .. 2 LOOP
+        SELECT array_agg(l.count ORDER BY u.n), array_agg(l.window_start ORDER BY u.n),
+               array_agg(l.expires ORDER BY u.n)
+            INTO cc, cs, ce
+            FROM unnest(ukeys) WITH ORDINALITY u(k, n)
+            JOIN (SELECT x.key, x.count, x.window_start, x.expires FROM counters x
+                  WHERE x.key = ANY (ukeys) ORDER BY x.key FOR UPDATE) l ON l.key = u.k;
+        EXIT WHEN coalesce(array_length(cc, 1), 0) = array_length(ukeys, 1) OR attempt = 2;
+        -- A row pruned between the insert and the lock comes back, locked by its insert.
+        INSERT INTO counters AS c (key, count, window_start, expires)
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+    END LOOP;
+
+    END IF;
+    IF claims THEN
+        SELECT array_agg(DISTINCT keys[j]) INTO rkeys
+            FROM generate_subscripts(kinds, 1) j WHERE kinds[j] >= 3 AND NOT done[j];
+    END IF;
+    IF rkeys IS NOT NULL THEN
+        -- An absent key gets an empty row first, so that two hosts claiming a new
+        -- key at once queue on one row lock instead of both finding nothing.
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+        PERFORM 1 FROM records r WHERE r.key = ANY (rkeys) ORDER BY r.key FOR UPDATE;
+        INSERT INTO records AS r (key)
+            SELECT u.k FROM unnest(rkeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+    END IF;
+    t := extract(epoch FROM clock_timestamp());
+
+    op := 0; code := 0; num := t;
+    RETURN NEXT;
+    num := NULL; tok := NULL; r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
+
+    -- Hits (the counter rows were locked and read above).
+    IF nh > 0 THEN
+    FOR h IN 1 .. nh LOOP
+        a := hstart[h];
+        b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
+        sz := hmult[h];  -- how many of the m identical hits fit under every limit
+        counts := '{}'; resets := '{}';
+        FOR j IN a .. b LOOP
+            x := lidx[j];
+            IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
+                cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
+            END IF;
+            sz := least(sz, greatest(lamounts[j] - cc[x], 0));
+            counts := counts || cc[x];
+            resets := resets || (ce[x] - t);
+        END LOOP;
+        IF sz > 0 THEN
+            FOR j IN a .. b LOOP
+                cc[lidx[j]] := cc[lidx[j]] + sz;
+            END LOOP;
+        END IF;
+        op := hops[h]; code := sz;
+        RETURN NEXT;
+    END LOOP;
+    UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
+        FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
+        WHERE c.key = u.k AND c.key = ANY (ukeys);
+    -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
+    DELETE FROM counters c WHERE c.key IN (
+        SELECT x.key FROM counters x WHERE x.expires <= t
+        ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
+
+        counts := NULL; resets := NULL;
+    END IF;
+
+    FOR i IN 1 .. CASE WHEN claims THEN n ELSE 0 END LOOP
+        CONTINUE WHEN done[i];  -- a replay, answered first
+        op := i; code := 0; tok := NULL; num := NULL;
+        r_digest := NULL; r_status := NULL; r_headers := NULL; r_body := NULL;
+        k := keys[i];
+        CASE kinds[i]
+        WHEN 1 THEN  -- a hit: answered above
+            CONTINUE;
+        WHEN 2 THEN  -- lookup: a live stored response, no lock
+            SELECT r.digest, r.status, r.headers, r.body INTO r_digest, r_status, r_headers, r_body
+                FROM records r WHERE r.key = k AND r.status IS NOT NULL AND r.expires > t;
+            code := (r_status IS NOT NULL)::int;
+        WHEN 3 THEN  -- claim: held elsewhere (2), stored (1), taken (3), over a quota (4)
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF FOUND AND rec.lease_until IS NOT NULL AND rec.lease_until > t THEN
+                code := 2; num := rec.lease_until - t;
+            ELSIF FOUND AND rec.status IS NOT NULL AND rec.expires > t THEN
+                code := 1;
+                r_digest := rec.digest; r_status := rec.status;
+                r_headers := rec.headers; r_body := rec.body;
+            ELSE
+                -- An expired response, or a lapsed claim's reservation: its bytes go
+                -- (pruned when touched).
+                old := CASE WHEN FOUND THEN rec.size ELSE 0 END;
+                IF old <> 0 THEN
+                    chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -old;
+                END IF;
+                over := 0;
+                IF reserves[i] > 0 THEN
+                    over := quota_over_v1(scopes[i], clients[i], reserves[i], scope_caps[i],
+                        client_caps[i], total_caps[i], chs, chc, chb);
+                    IF over <> 0 AND NOT pruned THEN
+                        -- Expired responses and dead holders' reservations still counted:
+                        -- reclaim them (never waiting), then look again. Once per batch.
+                        pruned := true;
+                        PERFORM prune_responses_v2(t, myslot, k, NULL, NULL, 4096);
+                        PERFORM prune_claims_v1(t, myslot, k, NULL, NULL, 4096);
+                        over := quota_over_v1(scopes[i], clients[i], reserves[i], scope_caps[i],
+                            client_caps[i], total_caps[i], chs, chc, chb);
+                    END IF;
+                END IF;
+                IF over <> 0 THEN
+                    -- Nothing taken: the row stays as it was, its bytes counted again.
+                    IF old <> 0 THEN
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || old;
+                    END IF;
+                    code := 4; num := over;
+                ELSE
+                    tok := nextval('tokens');
+                    sz := greatest(reserves[i], 0);
+                    INSERT INTO records AS r (key, token, lease_until, scope, client, size)
+                        VALUES (k, tok, t + lease, CASE WHEN sz > 0 THEN scopes[i] END,
+                            CASE WHEN sz > 0 THEN clients[i] END, sz)
+                        ON CONFLICT (key) DO UPDATE SET digest = NULL, status = NULL,
+                            headers = NULL, body = NULL, scope = excluded.scope,
+                            client = excluded.client, size = excluded.size, expires = NULL,
+                            token = excluded.token, lease_until = excluded.lease_until;
+                    IF sz > 0 THEN
+                        chs := chs || scopes[i]; chc := chc || clients[i]; chb := chb || sz;
+                    END IF;
+                    code := 3; num := lease;
+                END IF;
+            END IF;
+        WHEN 4 THEN  -- save: saved (1), fenced (2), over quota (3)
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF tokens[i] <> 0
+                    AND (NOT FOUND OR rec.token <> tokens[i] OR rec.lease_until IS NULL) THEN
+                code := 2;
+            ELSE
+                sz := sizes[i];
+                -- The claim's reservation (or an older response of this key) is replaced.
+                old := CASE WHEN FOUND THEN rec.size ELSE 0 END;
+                IF old <> 0 THEN
+                    chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -old;
+                END IF;
+                over := quota_over_v1(scopes[i], clients[i], sz, scope_caps[i], client_caps[i],
+                    total_caps[i], chs, chc, chb);
+                IF over <> 0 AND NOT pruned THEN
+                    pruned := true;
+                    PERFORM prune_responses_v2(t, myslot, k, NULL, NULL, 4096);
+                    PERFORM prune_claims_v1(t, myslot, k, NULL, NULL, 4096);
+                    over := quota_over_v1(scopes[i], clients[i], sz, scope_caps[i],
+                        client_caps[i], total_caps[i], chs, chc, chb);
+                END IF;
+                IF over <> 0 THEN
+                    code := 3;
+                    IF tokens[i] <> 0 THEN  -- the claim ends, nothing is stored
+                        IF rec.status IS NULL THEN
+                            DELETE FROM records r WHERE r.key = k;
+                        ELSE
+                            UPDATE records r SET digest = NULL, status = NULL, headers = NULL,
+                                body = NULL, scope = NULL, client = NULL, size = 0,
+                                expires = NULL, lease_until = NULL WHERE r.key = k;
+                        END IF;
+                    ELSIF old <> 0 THEN
+                        -- the old response stays: its bytes count again
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || old;
+                    END IF;
+                ELSE
+                    code := 1;
+                    INSERT INTO records AS r (key, digest, status, headers, body, scope, client,
+                            size, expires, token, lease_until)
+                        VALUES (k, digests[i], statuses[i], headers[i], bodies[i], scopes[i],
+                            clients[i], sz, t + ttls[i], 0, NULL)
+                        ON CONFLICT (key) DO UPDATE SET digest = excluded.digest,
+                            status = excluded.status, headers = excluded.headers,
+                            body = excluded.body, scope = excluded.scope,
+                            client = excluded.client, size = excluded.size,
+                            expires = excluded.expires,
+                            lease_until = CASE WHEN tokens[i] = 0 THEN r.lease_until END;
+                    chs := chs || scopes[i]; chc := chc || clients[i]; chb := chb || sz;
+                    saved := true;
+                END IF;
+                nkeys := nkeys || k;
+            END IF;
+        WHEN 5 THEN  -- release: released (1) or not current (0); its reservation freed
+            SELECT * INTO rec FROM records r WHERE r.key = k;
+            IF FOUND AND rec.token = tokens[i] AND rec.lease_until IS NOT NULL THEN
+                IF rec.status IS NULL THEN
+                    DELETE FROM records r WHERE r.key = k;
+                    IF rec.size <> 0 THEN
+                        chs := chs || rec.scope; chc := chc || rec.client; chb := chb || -rec.size;
+                    END IF;
+                ELSE
+                    UPDATE records r SET lease_until = NULL WHERE r.key = k;
+                END IF;
+                code := 1;
+                nkeys := nkeys || k;
+            END IF;
+        WHEN 6 THEN  -- renew a claim this process holds: renewed (1) or lost (0)
+            UPDATE records r SET lease_until = t + lease
+                WHERE r.key = k AND r.token = tokens[i] AND r.lease_until IS NOT NULL;
+            code := FOUND::int;
+        END CASE;
+        RETURN NEXT;
+    END LOOP;
+
+    IF array_length(chb, 1) > 0 THEN
+        INSERT INTO usage AS g (scope, slot, bytes)
+            SELECT u.s, myslot, sum(u.b) FROM unnest(chs, chb) u(s, b)
+            WHERE u.s IS NOT NULL GROUP BY u.s HAVING sum(u.b) <> 0
+            ON CONFLICT (scope, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
+        INSERT INTO client_usage AS g (client, slot, bytes)
+            SELECT u.c, myslot, sum(u.b) FROM unnest(chc, chb) u(c, b)
+            WHERE u.c IS NOT NULL GROUP BY u.c HAVING sum(u.b) <> 0
+            ON CONFLICT (client, slot) DO UPDATE SET bytes = g.bytes + excluded.bytes;
+        UPDATE usage_total SET bytes = bytes + (SELECT sum(u.b) FROM unnest(chb) u(b))
+            WHERE slot = myslot;
+    END IF;
+    IF array_length(nkeys, 1) > 0 THEN  -- sent at commit: waiters elsewhere wake then
+        PERFORM pg_notify(channel, md5(convert_to(u.k, 'UTF8'))) FROM unnest(nkeys) u(k);
+    END IF;
+    IF rkeys IS NOT NULL THEN  -- the empty rows nobody claimed or filled
+        DELETE FROM records r
+            WHERE r.key = ANY (rkeys) AND r.status IS NULL AND r.lease_until IS NULL;
+    END IF;
+
+    -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
+    IF saved THEN
+        PERFORM prune_responses_v2(t, myslot, NULL, NULL, NULL, prune);
+        -- Claims whose holder died a minute ago and nobody took over: their reservations.
+        PERFORM prune_claims_v1(t - 60, myslot, NULL, NULL, NULL, prune);
+    END IF;
+END
+$fn$;
+"""
+
+_HITS_V1 = r"""
+CREATE OR REPLACE FUNCTION {s}.hits_v1(
+    ukeys text[], lidx int[], lamounts int[], lwindows float8[], hstart int[], hmult int[],
+    prune int
+) RETURNS TABLE (op int, code int, num float8, counts int[], resets float8[])
+LANGUAGE plpgsql SET search_path = {s}, pg_catalog
+    SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    t float8;
+    nh int := array_length(hstart, 1);
+    cc int[];
+    cs float8[];
+    ce float8[];
+    a int;
+    b int;
+    x int;
+    sz int;
+BEGIN
+    INSERT INTO counters AS c (key, count, window_start, expires)
+        SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+        ON CONFLICT (key) DO NOTHING;
+    FOR attempt IN 1 .. 2 LOOP
+        SELECT array_agg(l.count ORDER BY u.n), array_agg(l.window_start ORDER BY u.n),
+               array_agg(l.expires ORDER BY u.n)
+            INTO cc, cs, ce
+            FROM unnest(ukeys) WITH ORDINALITY u(k, n)
+            JOIN (SELECT x.key, x.count, x.window_start, x.expires FROM counters x
+                  WHERE x.key = ANY (ukeys) ORDER BY x.key FOR UPDATE) l ON l.key = u.k;
+        EXIT WHEN coalesce(array_length(cc, 1), 0) = array_length(ukeys, 1) OR attempt = 2;
+        -- A row pruned between the insert and the lock comes back, locked by its insert.
+        INSERT INTO counters AS c (key, count, window_start, expires)
+            SELECT u.k, 0, 0, 0 FROM unnest(ukeys) u(k) ORDER BY u.k COLLATE "C"
+            ON CONFLICT (key) DO NOTHING;
+    END LOOP;
+
+    t := extract(epoch FROM clock_timestamp());
+    op := 0; code := 0; num := t;
+    RETURN NEXT;
+    num := NULL;
+    FOR h IN 1 .. nh LOOP
+        a := hstart[h];
+        b := CASE WHEN h < nh THEN hstart[h + 1] - 1 ELSE array_length(lidx, 1) END;
+        sz := hmult[h];  -- how many of the m identical hits fit under every limit
+        counts := '{}'; resets := '{}';
+        FOR j IN a .. b LOOP
+            x := lidx[j];
+            IF ce[x] <= t THEN  -- a fresh window (an elapsed one is overwritten in place)
+                cc[x] := 0; cs[x] := t; ce[x] := t + lwindows[j];
+            END IF;
+            sz := least(sz, greatest(lamounts[j] - cc[x], 0));
+            counts := counts || cc[x];
+            resets := resets || (ce[x] - t);
+        END LOOP;
+        IF sz > 0 THEN
+            FOR j IN a .. b LOOP
+                cc[lidx[j]] := cc[lidx[j]] + sz;
+            END LOOP;
+        END IF;
+        op := h; code := sz;
+        RETURN NEXT;
+    END LOOP;
+    UPDATE counters c SET count = u.c, window_start = u.s, expires = u.e
+        FROM unnest(ukeys, cc, cs, ce) u(k, c, s, e)
+        WHERE c.key = u.k AND c.key = ANY (ukeys);
+    -- Bounded pruning piggybacked on writes; never waits for a row another batch holds.
+    DELETE FROM counters c WHERE c.key IN (
+        SELECT x.key FROM counters x WHERE x.expires <= t
+        ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
+END
+$fn$;
+"""
+
+PREVIOUS_FUNCTIONS = (_APPLY_V3, _HITS_V1)
