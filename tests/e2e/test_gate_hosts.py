@@ -143,7 +143,8 @@ class Redis:
         connection = redis.Redis.from_url(self.url, socket_timeout=10)
         try:
             # The demo opens its store with the default prefix.
-            value: Any = connection.get(KeyNames("porch").counter(prefix + client))
+            name = KeyNames("porch").counter(prefix + client)
+            value: Any = connection.hget(name, "n")
         finally:
             connection.close()
         return int(value) if value is not None else 0

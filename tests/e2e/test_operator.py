@@ -389,7 +389,7 @@ def test_operator_commands_on_redis(demo: DemoLauncher, redis_url: str) -> None:
     import redis
 
     with redis.Redis.from_url(url) as r:
-        names = [k for k in r.scan_iter(match="*:c:*", count=1000) if net.encode() in k]
+        names = [k for k in r.scan_iter(match="*:k:*", count=1000) if net.encode() in k]
         ttls = [r.pttl(k) for k in names]
     assert len(names) == 2, names
     assert all(0 < ttl <= 60_000 for ttl in ttls), ttls

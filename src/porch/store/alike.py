@@ -17,14 +17,7 @@ from ..errors import StoreError
 from .algorithms import TAGS, State, charge, fits, report
 from .base import Hit, Settle, Vacate
 
-__all__ = [
-    "collapse_hits",
-    "fill_alike",
-    "fill_decided",
-    "fill_fixed",
-    "refuse_slots",
-    "refuse_unsupported",
-]
+__all__ = ["collapse_hits", "fill_decided", "refuse_slots"]
 
 Op = TypeVar("Op")
 
@@ -186,78 +179,6 @@ def fill_decided(
         hit.retry = [r[3] for r in reports]
         hit.stamp = [r[4] for r in reports]
         hit.wall = wall
-
-
-def fill_alike(
-    hits: Sequence[Hit],
-    allowed: int,
-    before: Sequence[int],
-    ends: Sequence[float],
-    starts: Sequence[float],
-    wall: float,
-) -> None:
-    """Fill fixed-window alike hits in arrival order: the first ``allowed`` counted, the
-    rest refused.
-
-    ``before``: each counter's count before them (the j-th hit sees it plus its
-    cost times min(j, allowed)); ``ends``: the seconds until each window ends;
-    ``starts``: each window's start (the hits' ``stamp``).
-    """
-    cost = hits[0].cost
-    amounts = hits[0].amounts
-    ends = list(ends)
-    stamp = list(starts)
-    if len(before) == 1:  # one limit (the common rule): no comprehension per hit
-        count, amount = before[0], amounts[0]
-        for j, hit in enumerate(hits, 1):
-            n = count + cost * (j if j < allowed else allowed)
-            hit.allowed = j <= allowed
-            hit.fits = [hit.allowed]
-            hit.remaining = [amount - n if n < amount else 0]
-            hit.next = hit.full = hit.retry = ends
-            hit.stamp = stamp
-            hit.wall = wall
-        return
-    for j, hit in enumerate(hits, 1):
-        step = cost * (j if j < allowed else allowed)
-        hit.allowed = j <= allowed
-        counts = [c + step for c in before]
-        hit.fits = [
-            c + cost <= a if j > allowed else True for c, a in zip(counts, amounts, strict=True)
-        ]
-        hit.remaining = [a - c if c < a else 0 for c, a in zip(counts, amounts, strict=True)]
-        hit.next = hit.full = hit.retry = ends
-        hit.stamp = stamp
-        hit.wall = wall
-
-
-def fill_fixed(
-    hits: Sequence[Hit], allowed: int, before: Sequence[int], ends: Sequence[float], t: float
-) -> None:
-    """:func:`fill_alike` for a store that answers no window starts: each ``stamp`` is
-    the window's end less its length, on the store's clock ``t`` (which is also the
-    decisions' wall time). Approximate to a rounding error: good for headers, not for
-    a :class:`Settle`, which such a store does not take."""
-    windows = hits[0].windows
-    starts = [t + end - w for end, w in zip(ends, windows, strict=True)]
-    fill_alike(hits, allowed, before, ends, starts, t)
-
-
-def refuse_unsupported(ops: Sequence[object], store: str) -> None:
-    """StoreError for an op a fixed-window, one-unit store cannot apply: a cost other
-    than 1, another algorithm, a settle, concurrency slots."""
-    for op in ops:
-        if isinstance(op, Vacate) or (isinstance(op, Hit) and op.slots is not None):
-            raise StoreError(f"the {store} store takes no concurrency slots")
-        if isinstance(op, Hit):
-            if op.cost != 1:
-                raise StoreError(f"the {store} store counts one unit per hit, got {op.cost}")
-            if op.algorithms is not None and any(a != "fixed" for a in op.algorithms):
-                raise StoreError(
-                    f"the {store} store decides fixed windows only, got {list(op.algorithms)}"
-                )
-        elif isinstance(op, Settle):
-            raise StoreError(f"the {store} store cannot settle a cost")
 
 
 def refuse_slots(ops: Sequence[object], store: str) -> None:

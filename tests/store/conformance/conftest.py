@@ -40,7 +40,7 @@ HOLDER = Path(__file__).with_name("holder.py")
 # batch, instead of at its server's time. A test hook: the policies' conformance
 # (test_policies.py) compares such a store with the reference model to the bit, and
 # skips a backend not named here. SQLite's whole store runs on its injected clock.
-COUNTER_CLOCKS: frozenset[str] = frozenset({"postgres"})
+COUNTER_CLOCKS: frozenset[str] = frozenset({"postgres", "redis"})
 
 
 class Backend:

@@ -19,11 +19,12 @@ from typing import TypeVar
 import pytest
 
 from porch.errors import StoreError
-from porch.store.base import Claim, Hit, Release, Store
+from porch.store.base import Algorithm, Claim, Hit, Release, Settle, Store
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
 from support import used
 
 from .conftest import Backend
+from .model import Model, Policy, Report
 from .test_watch import Waiter
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -102,6 +103,69 @@ async def test_a_frozen_server_fails_fast_and_the_store_recovers(backend: Backen
                 server.thaw()
             assert await served_again(store) < BACK_WITHIN
             assert used(await count(store, "kept")) == [2]
+        finally:
+            await on.close()
+
+
+async def test_a_server_killed_and_restarted_keeps_every_policys_state(backend: Backend) -> None:
+    """Counts, a sliding window's previous count, a gcra bucket's time and a settled debt
+    survive the server's crash (PostgreSQL stopped ``-m immediate``, Redis ``kill -9``
+    with its AOF): after the restart every hit decides as the reference model, which lost
+    nothing, to the bit (on a test clock, so the comparison is exact)."""
+    with own_server(backend) as server:
+        on = backend.on(server.url)
+        clock = on.counter_clock()
+        if clock is None:
+            pytest.skip(f"{backend.name}: no test clock for its counters")
+        try:
+            store = await on.store(clock=clock)
+            policies = [
+                Policy("rl\x1fcrash\x1ffixed\x1fclient:a", "fixed", 10, 60.0, 10),
+                Policy("rl\x1fcrash\x1fsliding\x1fclient:a", "sliding", 7, 10.0, 7),
+                Policy("rl\x1fcrash\x1fgcra\x1forg:1", "gcra", 4, 8.0, 6),
+            ]
+            algorithms: list[Algorithm] = [p.algorithm for p in policies]  # type: ignore[misc]
+            model = Model()
+
+            def hit(cost: int) -> Hit:
+                return Hit(
+                    [p.key for p in policies],
+                    [p.amount for p in policies],
+                    [p.window for p in policies],
+                    algorithms,
+                    [p.burst for p in policies],
+                    cost,
+                )
+
+            async def decide(cost: int) -> tuple[Hit, Report]:
+                made = hit(cost)
+                await store.apply([made])
+                want = model.hit(policies, cost, clock.monotonic())
+                got = Report(
+                    made.allowed,
+                    list(made.fits),
+                    list(made.remaining),
+                    list(made.next),
+                    list(made.full),
+                    list(made.retry),
+                    list(made.stamp),
+                )
+                assert got == want
+                return made, want
+
+            first, reported = await decide(2)
+            clock.advance(10.5)  # the sliding window rolls: 2 become its previous count
+            await decide(1)
+            await store.apply([Settle.of(first, 4)])  # a debt of 2 more, in the old window
+            model.settle(policies, 2, reported.stamp, clock.monotonic())
+            server.stop(**({"kill": True} if backend.name == "redis" else {}))
+            server.start()
+            assert await served_again(store) < BACK_WITHIN
+            clock.advance(1.25)
+            made, _ = await decide(1)
+            assert made.allowed
+            for cost in (1, 1, 1):
+                await decide(cost)
         finally:
             await on.close()
 

@@ -106,25 +106,29 @@ class RedisAdmin:
     async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
         redis = await self._redis()
         chosen: list[tuple[bytes, tuple[str, str, str]]] = []
-        for name in await self._scan("c"):
-            parts = split_counter_key(self._logical(name, "c"))
+        for name in await self._scan("k"):
+            parts = split_counter_key(self._logical(name, "k"))
             if parts is not None and (client is None or parts[2] == client):
                 chosen.append((name, parts))
         chosen.sort(key=lambda item: item[0])
         chosen = chosen[:most]
         try:
+            seconds, micros = await redis.time()
+            now = seconds + micros / 1e6
             async with redis.pipeline(transaction=False) as pipe:
                 for name, _ in chosen:
-                    pipe.get(name)
-                    pipe.pttl(name)
+                    pipe.hmget(name, "n", "e")
                 values = await pipe.execute()
         except Exception as exc:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
         found = []
-        for i, (_, parts) in enumerate(chosen):
-            count, ttl = values[2 * i], values[2 * i + 1]
-            if count is not None and ttl is not None and ttl > 0:
-                found.append(CounterInfo(parts[2], parts[0], parts[1], int(count), ttl / 1000))
+        for (_, parts), (count, expires) in zip(chosen, values, strict=True):
+            # A counter's own expiry decides (the key's TTL only bounds it), and what it
+            # holds is a count (gcra's buckets hold a time: shown as none, as PostgreSQL).
+            if count is None or expires is None or float(expires) <= now or int(count) <= 0:
+                continue
+            left = float(expires) - now
+            found.append(CounterInfo(parts[2], parts[0], parts[1], int(count), left))
         return found
 
     async def responses(self, *, client: str | None = None, most: int = 1000) -> list[ResponseInfo]:
@@ -162,8 +166,8 @@ class RedisAdmin:
     async def reset(self, *, client: str, rule: str | None = None) -> int:
         redis = await self._redis()
         doomed = []
-        for name in await self._scan("c"):
-            parts = split_counter_key(self._logical(name, "c"))
+        for name in await self._scan("k"):
+            parts = split_counter_key(self._logical(name, "k"))
             if parts is not None and parts[2] == client and (rule is None or parts[0] == rule):
                 doomed.append(name)
         if not doomed:

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 from ...errors import StoreError
 from .._leases import CLAIM, HeldLeases
-from ..alike import fill_fixed
+from ..algorithms import TAGS
+from ..alike import fill_decided
 from ..base import (
     Claim,
     Hit,
@@ -23,6 +24,7 @@ from ..base import (
     Release,
     Save,
     SaveOutcome,
+    Settle,
     StoredResponse,
     StoreOp,
 )
@@ -33,7 +35,7 @@ __all__ = ["Command", "command", "settle"]
 _DEFAULT_QUOTA = Quota()
 _BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
 # (script name, or None for a plain HMGET of the record; keys; arguments)
-Command = tuple[str | None, list[bytes], list[bytes | str | int]]
+Command = tuple[str | None, list[bytes], list[bytes | str | int | float]]
 _FIELDS = (b"d", b"s", b"h", b"b")
 
 
@@ -50,13 +52,29 @@ def _stored(digest: bytes, status: bytes, headers: bytes, body: bytes) -> Stored
     )
 
 
-def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None = None) -> Command:
-    """The command that applies ``op`` (``alike``: the hits collapsed into it)."""
-    if type(op) is Hit:
-        args: list[bytes | str | int] = [1 if alike is None else len(alike)]
-        for amount, window in zip(op.amounts, op.windows, strict=True):
-            args += [amount, max(1, math.ceil(window * 1000))]
-        return ("hit", [names.counter(k) for k in op.keys], args)
+def command(
+    names: KeyNames,
+    lease_ms: int,
+    op: StoreOp,
+    alike: list[Hit] | None = None,
+    now: float | None = None,
+) -> Command:
+    """The command that applies ``op`` (``alike``: the hits collapsed into it; ``now``:
+    the counters' time from a test clock, None: the server's)."""
+    if type(op) is Hit or type(op) is Settle:
+        # Floats go as repr() (redis-py's encoding), read back by Lua's strtod: exact.
+        args: list[bytes | str | int | float] = [
+            "" if now is None else now,
+            0 if type(op) is Settle else 1 if alike is None else len(alike),
+            op.cost if type(op) is Hit else 0,
+        ]
+        algorithms = op.algorithms
+        bursts = op.bursts if op.bursts is not None else op.amounts
+        for i, (amount, window) in enumerate(zip(op.amounts, op.windows, strict=True)):
+            args += [0 if algorithms is None else TAGS[algorithms[i]], amount, window, bursts[i]]
+            if type(op) is Settle:
+                args += [op.deltas[i], op.stamps[i]]
+        return ("counters", [names.counter(k) for k in op.keys], args)
     if type(op) is Lookup:
         return (None, [names.record(op.key)], list(_FIELDS))
     if type(op) is Claim:
@@ -98,18 +116,27 @@ def command(names: KeyNames, lease_ms: int, op: StoreOp, alike: list[Hit] | None
     raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
 
 
-def settle(held: HeldLeases, op: StoreOp, result: Any, alike: list[Hit] | None = None) -> None:
-    """Fill ``op`` in from its command's reply; ``held``: the claims this process holds."""
+def settle(
+    held: HeldLeases,
+    op: StoreOp,
+    result: Any,
+    alike: list[Hit] | None = None,
+    wall: float | None = None,
+) -> None:
+    """Fill ``op`` in from its command's reply; ``held``: the claims this process holds;
+    ``wall``: the decisions' wall time when a test clock took them (None: the server's)."""
     if type(op) is Hit:
-        # result: how many of the alike hits were allowed, the time, the counts
-        # before them, the milliseconds left of each window.
-        n = len(op.keys)
-        fill_fixed(
+        # result: how many of the alike hits were allowed, the time, then per limit its
+        # count, previous count and start (or arrival time) before them.
+        t = float(result[1])
+        fill_decided(
             alike if alike is not None else (op,),
             int(result[0]),
-            [int(c) for c in result[2 : 2 + n]],
-            [r / 1000.0 for r in result[2 + n : 2 + 2 * n]],
-            result[1] / 1000.0,
+            result[2::3],
+            result[3::3],
+            [float(s) for s in result[4::3]],
+            t,
+            t if wall is None else wall,
         )
     elif type(op) is Lookup:
         digest, status, headers, body = result

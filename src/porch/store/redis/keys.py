@@ -1,10 +1,14 @@
 """Where porch keeps things in Redis: key names with hash tags that keep each op in one slot.
 
-Every script touches the keys of one hash tag only, so each op runs on one
-node of a Redis Cluster: a rule's counters are tagged by rule and caller (all
-its limits, decided together), an idempotency record and its caller's quota
-bookkeeping by the caller's scope. The tag is a short digest, so a caller
-name holding ``{`` or ``}`` cannot move a key to another slot.
+Keys that one script call touches share a hash tag where they can, so such a
+call runs on one node of a Redis Cluster: a rule's counters of one level key
+are tagged by rule and that key (the caller's limits, decided together), an
+idempotency record and its caller's quota bookkeeping by the caller's scope.
+A rule counting at several levels (the caller, an organisation, everyone)
+touches counters of several tags in one call, which a standalone server runs
+atomically and a Cluster would refuse (CROSSSLOT): see docs/design.md, "Redis".
+The tag is a short digest, so a caller name holding ``{`` or ``}`` cannot move
+a key to another slot.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ class KeyNames:
         self.total_sizes = _encode(f"{prefix}:qb:{{total}}")
 
     def counter(self, key: str) -> bytes:
-        # porch's counter keys are rl US rule US limit US caller: tag by rule and caller.
+        # porch's counter keys are rl US rule US limit US level key (the caller's, an
+        # organisation's, everyone's ''): tag by rule and level key, so a rule's limits
+        # of one level share a slot. (``:k:``, hashes; the strings of releases before the
+        # policies were ``:c:``, so hosts of both never meet on one key.)
         parts = key.split(_US, 3)
         source = parts[1] + _US + parts[3] if len(parts) == 4 and parts[0] == "rl" else key
-        return _encode(f"{self.prefix}:c:{_tag(source)}:{key}")
+        return _encode(f"{self.prefix}:k:{_tag(source)}:{key}")
 
     def record(self, key: str) -> bytes:
         # porch's idempotency keys are scope US key: tag by scope, like its quota.

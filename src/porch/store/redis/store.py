@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..._tasks import stop_task
+from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
 from .._leases import Heartbeat, HeldLeases
 from .._watches import Watches
-from ..alike import collapse_hits, refuse_unsupported
-from ..base import SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
+from ..alike import collapse_hits, refuse_slots
+from ..base import ALGORITHMS, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Renewals, Subscription
@@ -91,6 +92,13 @@ class RedisStore:
     ``max_connections`` caps the pool, and a caller finding every connection
     busy waits up to ``pool_timeout`` for one. ``in_flight``: batches one pool
     shard keeps out at once (see ``Capabilities.in_flight``).
+
+    ``clock``: a test hook. Given one (a ``ManualClock``), hits and settles are decided
+    at its ``monotonic()`` time, sent with each script call, instead of at the server's
+    ``TIME`` (and ``Hit.wall`` is its ``wall()``), so a test can move time for the
+    counters; claims, leases and stored responses keep the server's clock, and the
+    counters' keys still expire on it (ten minutes late, so the test clock decides).
+    Never in production: hosts would each decide on their own clock.
     """
 
     def __init__(
@@ -105,6 +113,7 @@ class RedisStore:
         pool_timeout: float = 5.0,
         reconnect_delay: float = 0.5,
         in_flight: int = 2,
+        clock: Clock | None = None,
     ) -> None:
         scheme = urlsplit(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
@@ -140,13 +149,14 @@ class RedisStore:
         self.timeout = timeout
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
+        self.clock = clock
         self.capabilities = Capabilities(
             # Four shards, whose batches go out on connections side by side.
             shards=4,
             in_flight=in_flight,
+            clock=clock,
             admin=self.admin,
-            # Fixed windows of one unit per hit; no settles yet (StoreError).
-            algorithms=frozenset({"fixed"}),
+            algorithms=frozenset(ALGORITHMS),
         )
         self.names = KeyNames(prefix)
         self._subscription = Subscription(self.names.channel)
@@ -303,13 +313,15 @@ class RedisStore:
         group = self._group
         if group is None:
             raise StoreError("the Redis store is not open")
-        refuse_unsupported(ops, "Redis")
+        refuse_slots(ops, "Redis")
         # Alike hits (one client of one rule) go as one script call with a count.
         sent, alike = collapse_hits(ops)
-        names, lease_ms = self.names, self._lease_ms
+        names, lease_ms, clock = self.names, self._lease_ms, self.clock
+        now = None if clock is None else clock.monotonic()
+        wall = None if clock is None else clock.wall()
         try:
             results = await group.run(
-                [command(names, lease_ms, op, alike.get(i)) for i, op in enumerate(sent)]
+                [command(names, lease_ms, op, alike.get(i), now) for i, op in enumerate(sent)]
             )
             for result in results:
                 if isinstance(result, Exception):
@@ -319,7 +331,7 @@ class RedisStore:
             raise
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
-            settle(self._held, op, result, alike.get(i))
+            settle(self._held, op, result, alike.get(i), wall)
 
     async def _execute(self, client: Redis, commands: list[Command]) -> list[Any]:
         """Send ``commands`` as one pipeline and check every reply."""
