@@ -24,6 +24,12 @@ if ! command -v redis-server >/dev/null 2>&1 && [ -n "$CAN_APT" ]; then
     echo "installing redis-server (apt) for the Redis store's tests" >&2
     apt_install redis-server || echo "could not install redis-server; its tests will not run" >&2
 fi
+# The Redis Cluster of tests/servers.py is joined by redis-cli (redis-tools, which
+# redis-server's package depends on): installed apart if it is missing.
+if ! command -v redis-cli >/dev/null 2>&1 && [ -n "$CAN_APT" ]; then
+    echo "installing redis-tools (apt) for the Redis Cluster tests" >&2
+    apt_install redis-tools || echo "could not install redis-cli; the cluster tests will not run" >&2
+fi
 # The deployment recipes are run behind a real nginx (tests/e2e/test_deployment.py).
 if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && [ -n "$CAN_APT" ]; then
     echo "installing nginx (apt) for the deployment recipes' tests" >&2

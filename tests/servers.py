@@ -8,6 +8,13 @@ server of its own for a failure leg::
         server.freeze(); ...; server.thaw()
         server.stop(); ...; server.start()
 
+    with running_redis_cluster() as cluster:         # 3 primaries + 3 replicas
+        cluster.primary_for("some key").stop(kill=True)   # its replica takes over
+        cluster.move_slot(slot, to=other_primary)         # MOVED/ASK meanwhile
+
+The session fixture ``redis_cluster_url`` is a ``redis+cluster://`` URL of a
+cluster of six redis-servers in cluster mode (``redis-cli --cluster create``).
+
 ``PORCH_TEST_POSTGRES_URL`` / ``PORCH_TEST_REDIS_URL`` point the session fixtures
 at an existing server instead. Without the server binaries the tests skip, unless
 ``PORCH_REQUIRE_BACKENDS`` (a comma list, set by .ci/run; all three when ``CI=true``)
@@ -34,15 +41,18 @@ import pytest
 
 __all__ = [
     "PostgresServer",
+    "RedisCluster",
     "RedisServer",
     "free_port",
     "missing_backend",
     "postgres_bin",
     "postgres_url",
+    "redis_cluster_url",
     "redis_url",
     "required_backends",
     "running_postgres",
     "running_redis",
+    "running_redis_cluster",
 ]
 
 _START_TIMEOUT = 30.0  # a loaded CI machine; initdb + start takes 1-4 s when quiet
@@ -305,14 +315,17 @@ class RedisServer:
         appendfsync: str = "everysec",
         password: str | None = None,
         also_on: str | None = None,
+        cluster: bool = False,
     ) -> None:
         self.binary = binary
+        self.cluster = cluster  # cluster mode: its node id and view in nodes.conf (its dir)
         self.also_on = also_on  # another local address to listen on
         self.password = password  # requirepass: clients must AUTH
         self.dir = Path(tempfile.mkdtemp(prefix="porch-redis-"))
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.port = 0
+        self.bus_port = 0  # cluster mode: the cluster bus's port (chosen with the port)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -337,6 +350,17 @@ class RedisServer:
             "--daemonize", "no",
             "--logfile", str(self.dir / "server.log"),
             *(["--requirepass", self.password] if self.password is not None else []),
+            *(
+                # A primary that stops answering is failed over after 1 s (the
+                # default 15 s would make a failure leg wait that long); slots of
+                # the live primaries keep answering meanwhile.
+                ["--cluster-enabled", "yes",
+                 "--cluster-config-file", str(self.dir / "nodes.conf"),
+                 "--cluster-node-timeout", "1000",
+                 "--cluster-port", str(self.bus_port),
+                 "--cluster-require-full-coverage", "no"]
+                if self.cluster else []
+            ),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -344,6 +368,8 @@ class RedisServer:
         attempts = 3 if self.port == 0 else 1
         for attempt in range(attempts):
             port = self.port or free_port()
+            if self.cluster and not self.port:
+                self.bus_port = free_port()
             process = subprocess.Popen(
                 self._command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
@@ -427,3 +453,217 @@ def redis_url() -> Iterator[str]:
         return
     with running_redis() as server:
         yield server.url
+
+
+# -- Redis Cluster -------------------------------------------------------------------
+
+
+def _redis_cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    """One command through redis-cli (raw replies, one per line); raises if it fails."""
+    done = subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), "--raw", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    errors = ("ERR", "CLUSTERDOWN", "CROSSSLOT", "MOVED", "ASK", "TRYAGAIN", "IOERR", "BUSY")
+    if done.returncode != 0 or done.stdout.startswith(errors):
+        raise RuntimeError(f"redis-cli -p {port} {' '.join(args)}: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
+class ClusterNode:
+    """One node as ``CLUSTER NODES`` shows it."""
+
+    def __init__(self, line: str) -> None:
+        fields = line.split()
+        self.id = fields[0]
+        self.port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+        self.flags = set(fields[2].split(","))
+        self.primary_id = fields[3] if fields[3] != "-" else None
+        self.slots: list[tuple[int, int]] = []
+        for spec in fields[8:]:
+            if spec.startswith("["):
+                continue  # a slot being migrated or imported
+            low, _, high = spec.partition("-")
+            self.slots.append((int(low), int(high or low)))
+
+    @property
+    def is_primary(self) -> bool:
+        return "master" in self.flags and not self.flags & {"fail", "fail?"}
+
+    def owns(self, slot: int) -> bool:
+        return any(low <= slot <= high for low, high in self.slots)
+
+
+class RedisCluster:
+    """A Redis Cluster on loopback: ``primaries`` primaries, each with ``replicas`` replicas.
+
+    Six redis-servers in cluster mode by default (``RedisServer(cluster=True)``),
+    joined by ``redis-cli --cluster create``. A node is stopped, frozen or started
+    again through its :class:`RedisServer` (``servers``); a primary that stops
+    answering is failed over to its replica after the nodes' 1 s timeout
+    (:meth:`wait_healthy` waits for that), and one started again rejoins as a replica.
+    """
+
+    def __init__(self, binary: str, *, primaries: int = 3, replicas: int = 1) -> None:
+        self.servers = [
+            RedisServer(binary, cluster=True) for _ in range(primaries * (1 + replicas))
+        ]
+        self.primaries_at_start = primaries
+        self.replicas = replicas
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with the first primaries' addresses (the client finds the rest)."""
+        seeds = ",".join(
+            f"127.0.0.1:{server.port}" for server in self.servers[: self.primaries_at_start]
+        )
+        return f"redis+cluster://{seeds}"
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+        done = subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{server.port}" for server in self.servers),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT * 2,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        self.wait_healthy()
+
+    def _live(self) -> list[RedisServer]:
+        return [server for server in self.servers if server.pid]
+
+    def nodes(self) -> list[ClusterNode]:
+        """The cluster as the first live node that answers sees it."""
+        for server in self._live():
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                text = _redis_cli(server.port, "CLUSTER", "NODES", timeout=2.0)
+                return [ClusterNode(line) for line in text.splitlines() if line.strip()]
+        raise RuntimeError("no cluster node answers")
+
+    def server(self, node: ClusterNode) -> RedisServer:
+        return next(server for server in self.servers if server.port == node.port)
+
+    def slot(self, name: bytes | str) -> int:
+        """The hash slot of a Redis key name (as the server computes it)."""
+        text = name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name
+        return int(_redis_cli(self._live()[0].port, "CLUSTER", "KEYSLOT", text).strip())
+
+    def primary_of(self, slot: int) -> RedisServer:
+        """The server that serves ``slot`` now."""
+        for node in self.nodes():
+            if node.is_primary and node.owns(slot):
+                return self.server(node)
+        raise RuntimeError(f"no primary serves slot {slot}")
+
+    def primaries(self) -> list[RedisServer]:
+        return [self.server(node) for node in self.nodes() if node.is_primary and node.slots]
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        nodes = self.nodes()
+        ids = {node.port: node.id for node in nodes}
+        for node in nodes:
+            if node.primary_id == ids[primary.port] and "fail" not in node.flags:
+                return self.server(node)
+        raise RuntimeError(f"the primary on port {primary.port} has no live replica")
+
+    def wait_healthy(self, timeout: float = _START_TIMEOUT * 2) -> None:
+        """Until every live node says ``cluster_state:ok`` and every slot has a live primary
+        whose replicas (the live ones) are linked to it."""
+        deadline = time.monotonic() + timeout
+        problem = ""
+        while time.monotonic() < deadline:
+            try:
+                problem = self._unhealthy()
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                problem = str(exc)
+            if not problem:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the Redis Cluster is not healthy after {timeout} s: {problem}")
+
+    def _unhealthy(self) -> str:
+        for server in self._live():
+            info = _redis_cli(server.port, "CLUSTER", "INFO", timeout=2.0)
+            if "cluster_state:ok" not in info:
+                return f"port {server.port}: not cluster_state:ok"
+            if "master_link_status:down" in _redis_cli(
+                server.port, "INFO", "replication", timeout=2.0
+            ):
+                return f"port {server.port}: its link to its primary is down"
+        covered = sum(
+            high - low + 1 for node in self.nodes() if node.is_primary for low, high in node.slots
+        )
+        if covered != 16384:
+            return f"{covered} of 16384 slots served"
+        return ""
+
+    def move_slot(self, slot: int, to: RedisServer, *, each_key: Any = None) -> int:
+        """Move ``slot`` to the primary ``to`` the way ``redis-cli --cluster reshard`` does:
+        IMPORTING/MIGRATING, MIGRATE 100 keys at a time, then the slot's new owner told to
+        every primary. ``each_key()`` runs after each MIGRATE (clients meet ASK meanwhile).
+        Returns how many keys moved."""
+        source = self.primary_of(slot)
+        ids = {node.port: node.id for node in self.nodes()}
+        _redis_cli(to.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", ids[source.port])
+        _redis_cli(source.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", ids[to.port])
+        moved = 0
+        while True:
+            # One key a line (porch's keys hold \x1f, which str.split() takes for a space).
+            listed = _redis_cli(source.port, "CLUSTER", "GETKEYSINSLOT", str(slot), "100")
+            keys = [key for key in listed.splitlines() if key]
+            if not keys:
+                break
+            _redis_cli(
+                source.port, "MIGRATE", "127.0.0.1", str(to.port), "", "0", "5000", "KEYS", *keys
+            )
+            moved += len(keys)
+            if each_key is not None:
+                each_key()
+        for server in (to, source, *self.primaries()):
+            _redis_cli(server.port, "CLUSTER", "SETSLOT", str(slot), "NODE", ids[to.port])
+        return moved
+
+    def remove(self) -> None:
+        for server in self.servers:
+            server.remove()
+
+
+@contextlib.contextmanager
+def running_redis_cluster(*, primaries: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
+    """A Redis Cluster of the caller's own (skips or fails when there are no binaries)."""
+    binary = shutil.which("redis-server")
+    if binary is None or shutil.which("redis-cli") is None:
+        missing_backend("redis", "no redis-server and redis-cli binaries on PATH")
+    cluster = RedisCluster(binary, primaries=primaries, replicas=replicas)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A ``redis+cluster://`` URL for the whole session: PORCH_TEST_REDIS_CLUSTER_URL, or a
+    throwaway cluster of 3 primaries and 3 replicas."""
+    external = os.environ.get("PORCH_TEST_REDIS_CLUSTER_URL")
+    if external:
+        yield external
+        return
+    with running_redis_cluster() as cluster:
+        yield cluster.url

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from servers import running_postgres, running_redis
+from servers import running_postgres, running_redis, running_redis_cluster
 
 
 def redis_call(port: int, *args: str, within: float = 2.0) -> bytes:
@@ -67,3 +67,27 @@ def test_postgres_server_freezes_thaws_and_keeps_its_data_over_a_restart() -> No
         assert server.pid == 0
         server.start()
         assert run(postgres_query(server.url, "SELECT v FROM t")) == [(7,)]
+
+
+@pytest.mark.redis
+def test_redis_cluster_moves_a_slot_fails_over_and_takes_a_node_back() -> None:
+    with running_redis_cluster() as cluster:
+        assert len(cluster.primaries()) == 3
+        slot = cluster.slot("k")
+        source = cluster.primary_of(slot)
+        assert redis_call(source.port, "SET", "k", "v") == b"+OK\r\n"
+        target = next(p for p in cluster.primaries() if p is not source)
+        assert cluster.move_slot(slot, target) == 1
+        assert cluster.primary_of(slot) is target
+        assert redis_call(target.port, "GET", "k") == b"$1\r\nv\r\n"
+        assert redis_call(source.port, "GET", "k").startswith(b"-MOVED")
+        # A primary killed: its replica serves the slot (and has the key).
+        replica = cluster.replica_of(target)
+        target.stop(kill=True)
+        cluster.wait_healthy()
+        assert cluster.primary_of(slot) is replica
+        assert redis_call(replica.port, "GET", "k") == b"$1\r\nv\r\n"
+        # Started again, the killed node rejoins as the new primary's replica.
+        target.start()
+        cluster.wait_healthy()
+        assert cluster.replica_of(replica) is target
