@@ -1,13 +1,16 @@
 """In-process cost of the limiter's hot path, with metrics off and on.
 
     python benchmarks/hotpath.py [--requests 20000] [--rounds 5]
+                                 [--algorithm fixed|sliding|gcra] [--concurrency 64]
 
 Drives ``RateLimitMiddleware`` over a real SQLite pool with raw ASGI calls (no
 server, no HTTP parsing), 64 concurrent requests at a time from 64 clients, and
 reports CPU microseconds per request (every thread's): the best of ``--rounds`` rounds,
-without metrics and with a ``PorchMetrics``. Runs against whatever ``porch`` is
-importable (``PYTHONPATH=other/src`` measures another checkout; ``--no-metrics``
-for a checkout without ``porch.metrics``).
+without metrics and with a ``PorchMetrics``. ``--algorithm`` picks the limit's
+algorithm (a tree from before the policies knows only fixed windows);
+``--concurrency 1`` sends one request at a time (each commits on its own). Runs
+against whatever ``porch`` is importable (``PYTHONPATH=other/src`` measures
+another checkout; ``--no-metrics`` for a checkout without ``porch.metrics``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _round(requests: int, with_metrics: bool) -> float:
+async def _round(requests: int, with_metrics: bool, algorithm: str, concurrency: int) -> float:
     metrics = None
     if with_metrics:
         from porch.metrics import PorchMetrics
@@ -36,7 +39,10 @@ async def _round(requests: int, with_metrics: bool) -> float:
         kwargs: dict[str, Any] = {"metrics": metrics} if metrics is not None else {}
         pool = KeyPool(SQLiteStore(data), size=4, **kwargs)
         await pool.start()
-        app = RateLimitMiddleware(_app, pool=pool, rules=Rule(Limit(10**9, 3600)))
+        limit = (
+            Limit(10**9, 3600) if algorithm == "fixed" else Limit(10**9, 3600, algorithm=algorithm)  # type: ignore[arg-type]
+        )
+        app = RateLimitMiddleware(_app, pool=pool, rules=Rule(limit))
 
         async def receive() -> dict[str, Any]:
             return {"type": "http.request", "body": b"", "more_body": False}
@@ -53,7 +59,7 @@ async def _round(requests: int, with_metrics: bool) -> float:
                 "client": (f"10.0.{n // 250}.{n % 250}", 1234),
             }
 
-        scopes = [scope(n) for n in range(64)]
+        scopes = [scope(n) for n in range(concurrency)]
         started = time.process_time()  # CPU of every thread: the writer's too
         done = 0
         while done < requests:
@@ -69,10 +75,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-metrics", action="store_true")
+    parser.add_argument("--algorithm", choices=["fixed", "sliding", "gcra"], default="fixed")
+    parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
     cases = [False] if args.no_metrics else [False, True]
     for with_metrics in cases:
-        best = min(asyncio.run(_round(args.requests, with_metrics)) for _ in range(args.rounds))
+        best = min(
+            asyncio.run(_round(args.requests, with_metrics, args.algorithm, args.concurrency))
+            for _ in range(args.rounds)
+        )
         label = "metrics on " if with_metrics else "metrics off"
         print(f"{label}: {best:.1f} us CPU/request (best of {args.rounds})")
     if not args.no_metrics:

@@ -74,6 +74,51 @@ async def test_headers_count_down_then_429_with_problem_body(pool: KeyPool) -> N
     assert "x-app" not in refused.headers
 
 
+async def test_a_gcra_limit_reports_its_bucket_and_when_a_unit_comes_back(
+    pool: KeyPool, clock: ManualClock
+) -> None:
+    # 6 per minute (one unit per 10 s), a bucket of 3: three at once, then one per 10 s.
+    bucket = Limit(6, 60, name="b", algorithm="gcra", burst=3)
+    app = RateLimitMiddleware(hello, pool=pool, rules=Rule(bucket))
+    async with client(app) as c:
+        responses = [await c.get("/x") for _ in range(4)]
+        assert [r.status_code for r in responses] == [200, 200, 200, 429]
+        # t: when the next unit comes back, 10 s after the first was taken.
+        assert [r.headers["ratelimit"] for r in responses] == [
+            '"b";r=2;t=10',
+            '"b";r=1;t=10',
+            '"b";r=0;t=10',
+            '"b";r=0;t=10',
+        ]
+        assert {r.headers["ratelimit-policy"] for r in responses} == {'"b";q=3;w=30'}
+        assert responses[2].headers["x-ratelimit-limit"] == "3"
+        assert responses[2].headers["x-ratelimit-reset"] == str(int(WALL + 30))  # whole again
+        refused = responses[3]
+        assert refused.headers["retry-after"] == "10"
+        assert refused.json()["violated"] == [
+            {"policy": "b", "limit": 3, "window": 30.0, "reset_after": 10}
+        ]
+        clock.advance(10.0)
+        again = await c.get("/x")
+        assert (again.status_code, again.headers["ratelimit"]) == (200, '"b";r=0;t=10')
+
+
+async def test_a_sliding_limit_counts_the_previous_window_by_its_overlap(
+    pool: KeyPool, clock: ManualClock
+) -> None:
+    app = RateLimitMiddleware(
+        hello, pool=pool, rules=Rule(Limit(4, 60, name="s", algorithm="sliding"))
+    )
+    async with client(app) as c:
+        assert [(await c.get("/x")).status_code for _ in range(5)] == [200] * 4 + [429]
+        clock.advance(60.0)  # the full window is now the previous one, weighed in whole
+        refused = await c.get("/x")
+        assert (refused.status_code, refused.headers["retry-after"]) == (429, "15")
+        assert refused.headers["ratelimit"] == '"s";r=0;t=15'
+        clock.advance(15.0)  # a quarter of it has slid out: one unit back
+        assert [(await c.get("/x")).status_code for _ in range(2)] == [200, 429]
+
+
 @pytest.mark.parametrize(
     ("style", "fields"),
     [

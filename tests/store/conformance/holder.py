@@ -4,13 +4,13 @@ Opens the store with ``porch.open_store(URL, **OPTIONS)``, claims KEY and
 prints the claim as one JSON line (KEY ``-``: claims nothing). Then, one command
 per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
 201 with BODY, fenced by the claim's token), ``release``, ``hit KEY AMOUNT
-WINDOW`` (one Hit: its verdict, counts, resets and wall time), ``slot KEY CAP``
-(one Hit taking a concurrency slot of KEY, held until the process ends or
-``vacate``: its verdict and in-flight count), ``vacate`` (frees every slot
-taken), ``probe-clock``
-(this process's own wall clock), ``block SECONDS`` (answers ``blocking``, then
-blocks its event loop with synchronous work, as a handler doing sync I/O in an
-``async def`` does, then answers ``blocked``), ``exit``. The tests kill it (-9)
+WINDOW [ALGORITHM [BURST]]`` (one Hit: its verdict, remaining, next and wall
+time), ``slot KEY CAP`` (one Hit taking a concurrency slot of KEY, held until the
+process ends or ``vacate``: its verdict and in-flight count), ``vacate`` (frees
+every slot taken), ``probe-clock`` (this process's own wall clock), ``block
+SECONDS`` (answers ``blocking``, then blocks its event loop with synchronous
+work, as a handler doing sync I/O in an ``async def`` does, then answers
+``blocked``), ``exit``. The tests kill it (-9)
 or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
 
 ``PORCH_HOLDER_CLAIM`` (JSON: ``scope``, ``client``, ``reserve`` and ``quota`` as
@@ -24,9 +24,10 @@ import json
 import os
 import sys
 import time
+from typing import cast
 
 import porch
-from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse, Vacate
+from porch.store.base import Algorithm, Claim, Hit, Quota, Release, Save, StoredResponse, Vacate
 
 
 def say(**fields: object) -> None:
@@ -77,8 +78,10 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 time.sleep(float(rest))  # noqa: ASYNC251 - the loop runs nothing meanwhile
                 say(blocked=True)
             elif command == "hit":
-                counter, amount, window = rest.split(" ")
-                hit = Hit([counter], [int(amount)], [float(window)])
+                counter, amount, window, *policy = rest.split(" ")
+                algorithm = cast(Algorithm, policy[0] if policy else "fixed")
+                burst = int(policy[1]) if len(policy) > 1 else int(amount)
+                hit = Hit([counter], [int(amount)], [float(window)], [algorithm], [burst])
                 await store.apply([hit])
                 say(allowed=hit.allowed, remaining=hit.remaining, next=hit.next, wall=hit.wall)
             else:  # "exit", or stdin closed

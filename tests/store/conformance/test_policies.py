@@ -4,7 +4,8 @@ Hypothesis draws rules (one to three limits each, over a few counter keys shared
 between rules: a client's, another client's, an organisation's, everyone's),
 and a run of batches at moments a manual clock is moved to: hits of random
 costs (0 included, and above the amount) and settles of earlier allowed hits
-by random actual costs. Each batch is one ``apply`` (one transaction), and
+by random actual costs, now and then after a restart (the store closed and
+another opened on the same data). Each batch is one ``apply`` (one transaction), and
 every hit's verdict, fits, remaining, next, full, retry and stamp must equal
 the model's exactly. A backend runs it for the algorithms its store declares
 (``Capabilities.algorithms``), and only with a test clock: a store decides at
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,13 +48,15 @@ ACTIONS = st.one_of(
     st.tuples(st.just("hit"), st.integers(0, 2), st.integers(0, 4)),
     st.tuples(st.just("settle"), st.integers(0, 1 << 16), st.integers(0, 7)),
 )
+# Now and then the store is closed and another opened on the same data (a restart).
+RESTARTS = st.sampled_from([False] * 9 + [True])
 RUNS = st.lists(
-    st.tuples(STEPS, st.lists(ACTIONS, min_size=1, max_size=3)), min_size=4, max_size=30
+    st.tuples(STEPS, st.lists(ACTIONS, min_size=1, max_size=3), RESTARTS), min_size=4, max_size=30
 )
 
 _EXAMPLES = int(os.environ.get("PORCH_POLICY_EXAMPLES", "0"))
 PROFILE = settings(
-    max_examples=_EXAMPLES or 60,
+    max_examples=_EXAMPLES or 100,
     derandomize=not _EXAMPLES,  # the suite replays one sequence; deeper runs explore
     deadline=None,  # a loaded machine's batches are slow; the runs' size bounds the time
     database=None,
@@ -160,10 +164,33 @@ class Run:
                 self.allowed.append((policies, cost, hit, want))
 
 
-def explore(
-    loop: asyncio.AbstractEventLoop, clock: ManualClock, store: Store, algorithms: Sequence[str]
-) -> None:
-    """Draw runs and play each on ``store``, open on ``loop`` (this thread's own)."""
+class Stores:
+    """The store a run plays on, opened on this thread's own loop; another on the same
+    data after a restart."""
+
+    def __init__(self, backend: Backend, clock: ManualClock) -> None:
+        self.backend = backend
+        self.clock = clock
+        self.store: Store | None = None
+
+    async def open(self) -> Store:
+        store = self.backend.unopened(clock=self.clock)
+        await asyncio.wait_for(store.open(), 30)
+        self.store = store
+        return store
+
+    async def restart(self) -> Store:
+        await self.close()
+        return await self.open()
+
+    async def close(self) -> None:
+        if self.store is not None:
+            store, self.store = self.store, None
+            await asyncio.wait_for(store.close(), 30)
+
+
+def explore(loop: asyncio.AbstractEventLoop, stores: Stores, algorithms: Sequence[str]) -> None:
+    """Draw runs and play each on a store of ``stores``, on ``loop`` (this thread's own)."""
 
     @PROFILE
     @given(
@@ -172,10 +199,13 @@ def explore(
         steps=RUNS,
     )
     def check(windows: list[float], drawn: list[Any], steps: list[Any]) -> None:
-        run = Run(store, clock, windows, drawn)
+        assert stores.store is not None
+        run = Run(stores.store, stores.clock, windows, drawn)
 
         async def play() -> None:
-            for i, (dt, actions) in enumerate(steps):
+            for i, (dt, actions, restart) in enumerate(steps):
+                if restart:  # every counter and bucket as it was committed
+                    run.store = await stores.restart()
                 await run.batch(i, dt, actions)
 
         loop.run_until_complete(play())
@@ -188,8 +218,7 @@ async def test_every_report_equals_the_reference_model(backend: Backend, policy:
     clock = backend.counter_clock()
     if clock is None:
         pytest.skip(f"{backend.name}: no test clock, so no exact comparison (see COUNTER_CLOCKS)")
-    store = backend.unopened(clock=clock)
-    offered = sorted(store.capabilities.algorithms)
+    offered = sorted(backend.unopened(clock=clock).capabilities.algorithms)
     if policy == "mixed":
         if len(offered) < 2:
             pytest.skip(f"{backend.name} decides only {offered}")
@@ -199,17 +228,40 @@ async def test_every_report_equals_the_reference_model(backend: Backend, policy:
     else:
         algorithms = [policy]
 
+    stores = Stores(backend, clock)
+
     def on_its_own_loop() -> None:
         loop = asyncio.new_event_loop()
         try:
-            loop.run_until_complete(asyncio.wait_for(store.open(), 30))
+            loop.run_until_complete(stores.open())
             try:
-                explore(loop, clock, store, algorithms)
+                explore(loop, stores, algorithms)
             finally:
-                loop.run_until_complete(asyncio.wait_for(store.close(), 30))
+                loop.run_until_complete(stores.close())
         finally:
             loop.close()
 
     # Hypothesis drives a synchronous function: it runs on a thread with an event loop of
     # its own, and this test's loop waits for it.
     await asyncio.wait_for(asyncio.to_thread(on_its_own_loop), 600)
+
+
+@pytest.mark.parametrize("algorithm", ["fixed", "sliding", "gcra"])
+async def test_a_process_killed_after_its_hits_loses_no_counter_or_bucket(
+    backend: Backend, algorithm: Algorithm
+) -> None:
+    store = await backend.store()
+    if algorithm not in store.capabilities.algorithms:
+        pytest.skip(f"{backend.name} does not decide {algorithm} (yet)")
+    holder = await backend.holder("-")
+    answers = [await holder.send(f"hit kept 4 3600 {algorithm} 4") for _ in range(5)]
+    assert [a["allowed"] for a in answers] == [True] * 4 + [False]
+    await holder.kill()  # -9: every answered hit was committed before its answer
+    if backend.clock is not None:  # the holder decided on the system clock: catch up
+        backend.clock.advance(max(0.0, time.monotonic() - backend.clock.monotonic()))
+    algorithms: list[Algorithm] = [algorithm]
+    here = Hit(["kept"], [4], [3600.0], algorithms, [4])
+    await store.apply([here])
+    # An hour's window, a bucket refilling one unit in 900 s: nothing has come back.
+    assert (here.allowed, list(here.remaining)) == (False, [0])
+    assert here.retry[0] > 800

@@ -12,7 +12,7 @@ from porch.clock import ManualClock
 from porch.store.base import Hit
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite import schema as sqlite_schema
-from porch.store.sqlite.ops import split_key
+from porch.store.sqlite.counters import split_key
 from support import used
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,7 @@ import pytest
 
 from porch.clock import ManualClock
 from porch.errors import ConfigurationError, StoreError
-from porch.store.base import Hit
+from porch.store.base import Algorithm, Hit
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.claims import SQLiteClaims
 from porch.store.sqlite.ops import apply_batch
@@ -160,6 +160,42 @@ async def test_reboot_rebases_windows_on_wall_time_never_backwards(
     try:
         clock.advance(elapsed_after_boot)
         assert (await hit(s2)).allowed is allowed
+    finally:
+        await s2.close()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "wall_step", "remaining"),
+    [
+        # A bucket of 4 refilling one unit per 15 s, drained: 30 s later, two are back.
+        ("gcra", 30.0, 2),
+        ("gcra", -3600.0, 0),  # the wall clock went backwards: no time, nothing back
+        # A sliding window of 4 per 60 s, full: 90 s later the full window is the previous
+        # one, weighted by the half of it still overlapping: 2 of 4 are counted.
+        ("sliding", 90.0, 2),
+        ("sliding", -3600.0, 0),
+    ],
+)
+async def test_reboot_rebases_buckets_and_sliding_windows_too(
+    tmp_path: Path, clock: ManualClock, algorithm: Algorithm, wall_step: float, remaining: int
+) -> None:
+    def hit(cost: int) -> Hit:
+        return Hit(["k"], [4], [60.0], [algorithm], [4], cost)
+
+    s = SQLiteStore(tmp_path, clock=clock)
+    await s.open()
+    drained = [hit(1) for _ in range(4)]
+    await s.apply(drained)
+    assert [h.allowed for h in drained] == [True] * 4
+    await s.close()
+    clock.reboot("boot-b", monotonic=5.0)
+    clock.jump_wall(wall_step)
+    s2 = SQLiteStore(tmp_path, clock=clock)
+    await s2.open()
+    try:
+        look = hit(0)  # a hit of no units: what is left, changing nothing
+        await s2.apply([look])
+        assert list(look.remaining) == [remaining]
     finally:
         await s2.close()
 

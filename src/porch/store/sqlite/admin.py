@@ -19,7 +19,7 @@ from typing import Any
 from ...clock import Clock, SystemClock
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
-from .ops import split_key
+from .counters import split_key
 from .schema import SCHEMA_VERSION, check_not_foreign
 
 __all__ = ["SQLiteAdmin"]

@@ -143,7 +143,7 @@ _MIGRATIONS: tuple[str, ...] = (
     # part only (about a third of the old row for an IPv4 client), so a million clients
     # fill a third of the pages. ``counters`` stays as a read-only view with the full
     # key (and deletable through its trigger), for operators' SQL and old tests.
-    # Existing rows move over; the split is the writer's (split_key in ops.py).
+    # Existing rows move over; the split is the writer's (split_key in counters.py).
     """
     CREATE TABLE counter_names (
         id     INTEGER PRIMARY KEY,
@@ -307,6 +307,24 @@ _MIGRATIONS: tuple[str, ...] = (
         count  INTEGER NOT NULL,
         PRIMARY KEY (key, holder)
     ) WITHOUT ROWID;
+    """,
+    # 10: the policies (docs/design.md): each counter row's algorithm (0 fixed, 1 sliding,
+    # 2 gcra; a row of another algorithm than a hit's is read as absent) and a sliding
+    # window's previous count. Existing rows are fixed windows, as they were. The
+    # counters view shows both.
+    """
+    ALTER TABLE counts ADD COLUMN previous INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE counts ADD COLUMN algorithm INTEGER NOT NULL DEFAULT 0;
+    DROP TRIGGER counters_delete;
+    DROP VIEW counters;
+    CREATE VIEW counters
+        (key, count, window_start, expires, wall_start, name, client, previous, algorithm) AS
+        SELECT n.prefix || c.client, c.count, c.window_start, c.expires, c.wall_start,
+               c.name, c.client, c.previous, c.algorithm
+        FROM counts c JOIN counter_names n ON n.id = c.name;
+    CREATE TRIGGER counters_delete INSTEAD OF DELETE ON counters BEGIN
+        DELETE FROM counts WHERE name = old.name AND client = old.client;
+    END;
     """,
 )
 

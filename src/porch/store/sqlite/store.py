@@ -30,6 +30,7 @@ from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ..base import (
+    ALGORITHMS,
     Capabilities,
     Claims,
     Durability,
@@ -131,7 +132,7 @@ class SQLiteStore(SQLiteWriter):
         self._conn_lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None  # set while the writer runs
         self._checkpoints: Checkpoints | None = None
-        self._names: dict[str, int] = {}  # counter-name ids read (see ops._name_ids)
+        self._names: dict[str, int] = {}  # counter-name ids read (see counters._name_ids)
         self._inline_busy = False  # the connection's busy_timeout is 0 (an inline commit)
         self._inline: list[tuple[Sequence[StoreOp], Done]] = []  # to commit inline, if idle
         self._inline_ops = 0
@@ -161,7 +162,7 @@ class SQLiteStore(SQLiteWriter):
             apply_now=self.apply_now if durability == "process" else None,
             solo_save_bytes=BLOB_ABOVE,
             admin=self.admin,
-            algorithms=frozenset({"fixed"}),
+            algorithms=frozenset(ALGORITHMS),
             # Freed at once when the holding process dies: no lease (slot_lease None).
             slots=True,
         )

@@ -1,4 +1,4 @@
-"""The lone hit's lean path (ops._apply_lone_hit): the rows and verdicts of the batch path."""
+"""The lone hit's lean path (counters.apply_lone_hit): the rows and verdicts of the batch path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 from porch.store.base import Hit
-from porch.store.sqlite.ops import _apply_counters, _apply_lone_hit
+from porch.store.sqlite.counters import apply_counters, apply_lone_hit
 from porch.store.sqlite.schema import migrate
 
 
@@ -22,7 +22,7 @@ def connect(path: Path) -> sqlite3.Connection:
 def table(conn: sqlite3.Connection) -> list[tuple[object, ...]]:
     return sorted(
         conn.execute(
-            "SELECT prefix, client, count, window_start, expires, wall_start"
+            "SELECT prefix, client, count, window_start, expires, wall_start, previous, algorithm"
             " FROM counts JOIN counter_names ON counter_names.id = counts.name"
         )
     )
@@ -60,8 +60,8 @@ def test_a_lone_hit_writes_the_rows_and_verdict_of_a_batch(tmp_path: Path) -> No
         many = Hit([key], [amount], [window], cost=cost)
         for conn in (lean, batch):
             conn.execute("BEGIN IMMEDIATE")
-        created = _apply_lone_hit(lean, one, now, wall, known_lean)
-        assert created == _apply_counters(batch, [many], now, wall, known_batch), step
+        created = apply_lone_hit(lean, one, now, wall, known_lean)
+        assert created == apply_counters(batch, [many], now, wall, known_batch), step
         for conn in (lean, batch):
             conn.execute("COMMIT")
         assert verdict(one) == verdict(many), step
