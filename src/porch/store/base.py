@@ -24,6 +24,7 @@ from .admin import StoreAdmin
 
 __all__ = [
     "ALGORITHMS",
+    "PART_GRACE",
     "SECRET_BYTES",
     "Algorithm",
     "ApplyNow",
@@ -34,6 +35,8 @@ __all__ = [
     "Durability",
     "Hit",
     "Lookup",
+    "PartStore",
+    "Parts",
     "Quota",
     "QuotaBucket",
     "Release",
@@ -50,6 +53,10 @@ __all__ = [
 
 # The size of a store's secret (Store.secret), created once with its schema.
 SECRET_BYTES = 32
+# Seconds after its last part was written that a body no record names is deleted (see
+# PartStore): longer than an owner streaming to its slowest client takes between two
+# parts (a part every 10 minutes is 1.7 KiB/s for 1 MiB parts).
+PART_GRACE = 600.0
 
 Durability = Literal["process", "power"]
 """``"process"``: a commit survives the process being killed (``kill -9``), not a power loss.
@@ -191,17 +198,39 @@ class Settle:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """A stored body kept in parts apart from its record (see :class:`PartStore`): what a
+    replay reads, part by part, instead of a body held whole in memory."""
+
+    #: The body's id in its store: random, 63 bits, never reused for another body.
+    id: int
+    #: How many parts (read by index, 0 first).
+    count: int
+    #: The body's bytes, all parts together.
+    length: int
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class StoredResponse:
-    """A response kept for replay: what a duplicate request receives, byte for byte."""
+    """A response kept for replay: what a duplicate request receives, byte for byte.
+
+    Its body is ``body``, or, for a body streamed to the store in parts, ``b""`` and
+    ``parts`` naming it (read through the store's :class:`PartStore`)."""
 
     digest: bytes
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+    parts: Parts | None
 
     def __init__(
-        self, digest: bytes, status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
+        self,
+        digest: bytes,
+        status: int,
+        headers: tuple[tuple[bytes, bytes], ...],
+        body: bytes,
+        parts: Parts | None = None,
     ) -> None:
         # The generated __init__ of a frozen dataclass sets each field through
         # object.__setattr__ (~0.7 us for these four); the slots' own descriptors set
@@ -210,12 +239,20 @@ class StoredResponse:
         _set_status(self, status)
         _set_headers(self, headers)
         _set_body(self, body)
+        _set_parts(self, parts)
+
+    @property
+    def length(self) -> int:
+        """The body's bytes, wherever it is kept."""
+        parts = self.parts
+        return len(self.body) if parts is None else parts.length
 
 
 _set_digest = vars(StoredResponse)["digest"].__set__
 _set_status = vars(StoredResponse)["status"].__set__
 _set_headers = vars(StoredResponse)["headers"].__set__
 _set_body = vars(StoredResponse)["body"].__set__
+_set_parts = vars(StoredResponse)["parts"].__set__
 
 
 class Lookup:
@@ -311,12 +348,12 @@ QuotaBucket = Literal["scope", "client", "total"]
 
 def stored_size(key: str, response: StoredResponse) -> int:
     """The bytes a stored response counts against its quotas, on every backend: its key,
-    request digest, replayed headers (names and values) and body."""
+    request digest, replayed headers (names and values) and body (in parts or not)."""
     return (
         len(key.encode("utf-8", "surrogatepass"))
         + len(response.digest)
         + sum([len(name) + len(value) for name, value in response.headers])
-        + len(response.body)
+        + response.length
     )
 
 
@@ -401,6 +438,45 @@ class Vacate:
 StoreOp = Hit | Settle | Lookup | Claim | Save | Release | Vacate
 
 
+class PartStore(Protocol):
+    """Where a store keeps bodies in parts, apart from their records (a capability, see
+    :attr:`Capabilities.parts`): a response too big to hold whole in memory is written
+    part by part while it streams to its client, and replayed part by part.
+
+    The protocol, for a body of one scoped key: :meth:`write` each part in order
+    (index 0 first; a part is durable once its call returns), then :meth:`keep` the
+    whole, then a :class:`Save` whose response names it (``StoredResponse.parts``). Only
+    that Save makes a record name the body, so a crash mid-stream leaves parts no record
+    names: they are deleted by the store some time after their last write (``PART_GRACE``),
+    and never replayed. A kept body lives at least as long as any record naming it; a
+    record's body is deleted with it (at once, or when it would have expired).
+    """
+
+    #: The size of every part but the last (the writer cuts the body so).
+    part_bytes: int
+
+    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
+        """Keep part ``index`` of body ``body`` (a random 63-bit id) of ``key``, durably.
+        Raise StoreError when it cannot be kept."""
+        ...
+
+    async def keep(self, key: str, parts: Parts, ttl: float) -> None:
+        """The body is complete: keep it at least ``ttl`` seconds more (beyond that, as long
+        as a record names it). Raise StoreError if it is not whole (``parts.count`` parts
+        of ``parts.length`` bytes): no record may then name it."""
+        ...
+
+    async def read(self, key: str, parts: Parts, index: int) -> bytes | None:
+        """Part ``index`` of ``key``'s body ``parts``; None if it is not there (its record
+        expired or was deleted since it was read). Raise StoreError when it cannot be read."""
+        ...
+
+    def drop(self, key: str, body: int) -> None:
+        """Delete the parts of a body no record names (its Save was fenced or over quota,
+        its response not stored): soon, in the background, errors logged."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStatistics:
     """What a store has done since it was opened."""
@@ -476,6 +552,11 @@ class Capabilities:
 
     admin: Callable[[], StoreAdmin] | None = None
     """The operator's view of the store (``porch inspect|reset|purge|check``)."""
+
+    parts: PartStore | None = None
+    """Where bodies too big to hold whole are kept in parts (see :class:`PartStore`):
+    responses above its ``part_bytes`` are streamed to it and replayed from it. None: a
+    stored response is held whole in memory while it is saved and replayed."""
 
     algorithms: frozenset[Algorithm] = frozenset({"fixed"})
     """The algorithms the store's :class:`Hit` and :class:`Settle` decide (see

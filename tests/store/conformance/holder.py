@@ -7,10 +7,11 @@ per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
 WINDOW [ALGORITHM [BURST]]`` (one Hit: its verdict, remaining, next and wall
 time), ``slot KEY CAP`` (one Hit taking a concurrency slot of KEY, held until the
 process ends or ``vacate``: its verdict and in-flight count), ``vacate`` (frees
-every slot taken), ``probe-clock`` (this process's own wall clock), ``block
-SECONDS`` (answers ``blocking``, then blocks its event loop with synchronous
-work, as a handler doing sync I/O in an ``async def`` does, then answers
-``blocked``), ``exit``. The tests kill it (-9)
+every slot taken), ``part BODY INDEX SIZE`` (writes part INDEX of body BODY of KEY,
+SIZE bytes of ``p``, to the store's PartStore), ``probe-clock`` (this process's own
+wall clock), ``block SECONDS`` (answers ``blocking``, then blocks its event loop
+with synchronous work, as a handler doing sync I/O in an ``async def`` does, then
+answers ``blocked``), ``exit``. The tests kill it (-9)
 or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
 
 ``PORCH_HOLDER_CLAIM`` (JSON: ``scope``, ``client``, ``reserve`` and ``quota`` as
@@ -71,6 +72,13 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 await store.apply([Vacate.of(hit) for hit in slots])
                 say(vacated=len(slots))
                 slots = []
+            elif command == "part":
+                body, index, size = (int(field) for field in rest.split(" "))
+                parts = store.capabilities.parts
+                if parts is None:
+                    raise SystemExit("this store keeps no bodies in parts")
+                await parts.write(key, body, index, b"p" * size)
+                say(written=True)
             elif command == "probe-clock":  # what this process's own clock says
                 say(now=time.time())
             elif command == "block":

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from porch.clock import ManualClock
-from porch.store.base import Claim, Hit, Lookup, Quota, Save, StoredResponse
+from porch.store.base import Claim, Hit, Lookup, Parts, Quota, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.blobs import ORPHAN_GRACE, blob_path
 from support import until, used, wait_until
@@ -239,6 +239,33 @@ async def test_a_row_whose_body_the_side_file_lost_is_no_stored_response(tmp_pat
         await store.apply([Save(KEY, response(MIB), 60.0)])
         with sqlite3.connect(blob_path(store.path)) as conn:
             conn.execute("DELETE FROM blobs")
+        claim = Claim(KEY)
+        await store.apply([claim])
+        assert claim.stored is None
+        assert claim.token > 0
+        assert named(store.path) == []
+    finally:
+        await store.close()
+
+
+async def test_a_row_whose_parts_the_side_file_lost_is_no_stored_response(tmp_path: Path) -> None:
+    # The same for a body streamed in parts: a row never names a body not all there.
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        parts = store.capabilities.parts
+        assert parts is not None
+        for index in range(3):
+            await parts.write(KEY, 9, index, b"p" * 1000)
+        ref = Parts(9, 3, 3000)
+        await parts.keep(KEY, ref, 60.0)
+        stored = StoredResponse(b"d" * 32, 201, (), b"", ref)
+        await store.apply([Save(KEY, stored, 60.0)])
+        found = Lookup(KEY)
+        await store.apply([found])
+        assert found.result == stored
+        with sqlite3.connect(blob_path(store.path)) as conn:
+            conn.execute("DELETE FROM parts WHERE seq = 1")
         claim = Claim(KEY)
         await store.apply([claim])
         assert claim.stored is None

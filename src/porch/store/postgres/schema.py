@@ -103,6 +103,22 @@ _MIGRATIONS: tuple[str, ...] = (
         ADD COLUMN algorithm smallint NOT NULL DEFAULT 0,
         ADD COLUMN previous  integer  NOT NULL DEFAULT 0;
     """,
+    # 5: bodies streamed in parts (parts.py): a body's row says until when it is kept (a
+    # body no record names goes then), its parts go with it.
+    """
+    CREATE TABLE {s}.bodies (
+        id      bigint PRIMARY KEY,
+        key     text COLLATE "C" NOT NULL,
+        expires float8 NOT NULL
+    );
+    CREATE INDEX bodies_expires ON {s}.bodies (expires);
+    CREATE TABLE {s}.parts (
+        body bigint REFERENCES {s}.bodies (id) ON DELETE CASCADE,
+        seq  integer,
+        data bytea NOT NULL,
+        PRIMARY KEY (body, seq)
+    );
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)

@@ -43,12 +43,22 @@ from ...errors import ConfigurationError, StoreError
 from .._leases import CLAIM, Heartbeat, HeldLeases
 from .._watches import Watches
 from ..alike import collapse_hits, refuse_slots
-from ..base import ALGORITHMS, Capabilities, Claim, Hit, Settle, StoreOp, StoreStatistics
+from ..base import (
+    ALGORITHMS,
+    PART_GRACE,
+    Capabilities,
+    Claim,
+    Hit,
+    Settle,
+    StoreOp,
+    StoreStatistics,
+)
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Listen, Renewals, key_hash
 from .codec import Op, arguments, settle
 from .hits import fill_counters, hit_arguments
+from .parts import PostgresParts
 from .schema import migrate, quote_schema, read_secret
 
 if TYPE_CHECKING:
@@ -108,6 +118,8 @@ class PostgresStore:
     (and ``Hit.wall`` is its ``wall()``), so a test can move time for the counters;
     claims, leases and stored responses keep the server's clock. Never in production:
     hosts would each decide on their own clock.
+    ``part_grace``: seconds after its last part a body streamed in parts that no record
+    names (its owner died mid-stream) is deleted (see :class:`~porch.store.base.PartStore`).
     """
 
     def __init__(
@@ -123,6 +135,7 @@ class PostgresStore:
         in_flight: int = 4,
         application_name: str = "porch",
         clock: Clock | None = None,
+        part_grace: float = PART_GRACE,
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigurationError(
@@ -146,6 +159,8 @@ class PostgresStore:
             raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
         if not 1 <= in_flight <= 16:
             raise ConfigurationError(f"in_flight must be 1-16, got {in_flight}")
+        if not part_grace > 0:
+            raise ConfigurationError(f"part_grace must be > 0 seconds, got {part_grace}")
         self._asyncpg = _driver()
         self.url = url
         self.schema = schema
@@ -155,6 +170,13 @@ class PostgresStore:
         self.statement_timeout = float(statement_timeout)
         self.prune_batch = prune_batch
         self.clock = clock
+        # Bodies streamed in parts, on connections of their own.
+        self._parts = PostgresParts(
+            self._connect,
+            quote_schema(schema),
+            grace=float(part_grace),
+            deadline=self.connect_timeout + self.statement_timeout + 1.0,
+        )
         self.capabilities = Capabilities(
             # Four shards, whose batches go out on connections side by side.
             shards=4,
@@ -162,6 +184,7 @@ class PostgresStore:
             clock=clock,
             admin=self.admin,
             algorithms=frozenset(ALGORITHMS),
+            parts=self._parts,
         )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
@@ -253,6 +276,7 @@ class PostgresStore:
             worker = self._worker(queue, first.pop() if first else None)
             self._workers.append(loop.create_task(worker, name=f"porch-pg-{i}"))
         self.claims.start()
+        self._parts.open()
         # Leases of their own: a heartbeat left finishing by an earlier close() that was cut
         # short releases only the claims of its time.
         held = self._held = HeldLeases()
@@ -304,6 +328,7 @@ class PostgresStore:
         # cancelled them as it shut down, which closed their connections.
         for worker in workers:
             await stop_task(worker)
+        self._parts.close()
         await self.claims.stop()
         # End this process's claims now, rather than at their lease's end (on the
         # heartbeat's own connection and loop: whatever loop this is).

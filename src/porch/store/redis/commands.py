@@ -12,6 +12,7 @@ import math
 from typing import Any, cast
 
 from ...errors import StoreError
+from .._heads import PARTS_HEADER, join_parts, split_parts
 from .._leases import CLAIM, HeldLeases
 from ..algorithms import TAGS
 from ..alike import fill_decided
@@ -44,12 +45,11 @@ def _encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
 
 
 def _stored(digest: bytes, status: bytes, headers: bytes, body: bytes) -> StoredResponse:
-    return StoredResponse(
-        bytes(digest),
-        int(status),
-        tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
-        bytes(body),
-    )
+    head = tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers))
+    if PARTS_HEADER in headers:  # (a substring test first: rare, and the usual head is short)
+        head, parts = split_parts(head)
+        return StoredResponse(bytes(digest), int(status), head, bytes(body), parts)
+    return StoredResponse(bytes(digest), int(status), head, bytes(body))
 
 
 def command(
@@ -96,7 +96,7 @@ def command(
                 str(op.token),
                 response.digest,
                 response.status,
-                _encode_headers(response.headers),
+                _encode_headers(join_parts(response.headers, response.parts)),
                 response.body,
                 max(1, math.ceil(op.ttl * 1000)),
                 quota.scope_bytes,

@@ -57,6 +57,10 @@ class KeyNames:
         # porch's idempotency keys are scope US key: tag by scope, like its quota.
         return _encode(f"{self.prefix}:r:{_tag(key.split(_US, 1)[0])}:{key}")
 
+    def body(self, key: str, body: int) -> bytes:
+        """A body streamed in parts (a hash of part index -> bytes), in its record's slot."""
+        return _encode(f"{self.prefix}:p:{_tag(key.split(_US, 1)[0])}:{key}{_US}{body}")
+
     def scope(self, scope: str) -> tuple[bytes, bytes]:
         tag = _tag(scope)
         return (

@@ -32,13 +32,14 @@ from ...errors import ConfigurationError, StoreError
 from .._leases import Heartbeat, HeldLeases
 from .._watches import Watches
 from ..alike import collapse_hits, refuse_slots
-from ..base import ALGORITHMS, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
+from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Renewals, Subscription
 from .commands import Command, command, settle
 from .group import GroupPipeline
 from .keys import KeyNames
+from .parts import RedisParts
 from .scripts import Script, load_scripts
 
 if TYPE_CHECKING:
@@ -91,7 +92,9 @@ class RedisStore:
     frozen server fails an apply with StoreError instead of hanging;
     ``max_connections`` caps the pool, and a caller finding every connection
     busy waits up to ``pool_timeout`` for one. ``in_flight``: batches one pool
-    shard keeps out at once (see ``Capabilities.in_flight``).
+    shard keeps out at once (see ``Capabilities.in_flight``). ``part_grace``: seconds after
+    its last part a body streamed in parts that no record names (its owner died
+    mid-stream) is deleted (see :class:`~porch.store.base.PartStore`).
 
     ``clock``: a test hook. Given one (a ``ManualClock``), hits and settles are decided
     at its ``monotonic()`` time, sent with each script call, instead of at the server's
@@ -114,6 +117,7 @@ class RedisStore:
         reconnect_delay: float = 0.5,
         in_flight: int = 2,
         clock: Clock | None = None,
+        part_grace: float = PART_GRACE,
     ) -> None:
         scheme = urlsplit(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
@@ -129,6 +133,7 @@ class RedisStore:
             ("timeout", timeout),
             ("pool_timeout", pool_timeout),
             ("reconnect_delay", reconnect_delay),
+            ("part_grace", part_grace),
         ):
             if not value > 0:
                 raise ConfigurationError(f"{name} must be > 0 seconds, got {value}")
@@ -150,6 +155,11 @@ class RedisStore:
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
         self.clock = clock
+        self.names = KeyNames(prefix)
+        # Bodies streamed in parts, on the store's client outside the batches' pipelines.
+        self._parts = RedisParts(
+            self.names, self._execute_now, self._delete, grace=float(part_grace)
+        )
         self.capabilities = Capabilities(
             # Four shards, whose batches go out on connections side by side.
             shards=4,
@@ -157,8 +167,8 @@ class RedisStore:
             clock=clock,
             admin=self.admin,
             algorithms=frozenset(ALGORITHMS),
+            parts=self._parts,
         )
-        self.names = KeyNames(prefix)
         self._subscription = Subscription(self.names.channel)
         self.claims = Watches(
             self._subscription,
@@ -332,6 +342,19 @@ class RedisStore:
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
             settle(self._held, op, result, alike.get(i), wall)
+
+    async def _execute_now(self, commands: list[Command]) -> list[Any]:
+        """``commands`` as one pipeline of their own, on the store's client."""
+        client = self._client
+        if client is None:
+            raise StoreError("the Redis store is not open")
+        return await self._execute(client, commands)
+
+    async def _delete(self, name: bytes) -> None:
+        client = self._client
+        if client is None:
+            raise StoreError("the Redis store is not open")
+        await client.delete(name)
 
     async def _execute(self, client: Redis, commands: list[Command]) -> list[Any]:
         """Send ``commands`` as one pipeline and check every reply."""

@@ -21,10 +21,20 @@ ends without its row (fenced, over quota, failed) drops its body at once.
 A row whose body is gone all the same (``durability="process"`` promises
 nothing about a power loss, and the two files are synced apart) is read as no
 stored response and deleted: its key is served again.
+
+Bodies too big to hold whole in memory are streamed here in parts (this class is
+the store's :class:`~porch.store.base.PartStore`): each part a row of ``parts``,
+written by the same thread as it comes, read back one at a time by a replay (on
+connections of its own, in worker threads). Their record names them by ``blob``
+as it names a whole body. A body whose parts no row names is deleted by the sweep
+once its newest part is ``PART_GRACE`` old (an owner that died mid-stream, or
+whose response was not stored), and a lookup reads a row whose parts are not all
+there (count, length) as no stored response, as above.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import secrets
@@ -32,17 +42,18 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ..._files import private_file
 from ...clock import Clock
 from ...errors import StoreError
-from ..base import Durability, Release, Save
+from ..base import PART_GRACE, Durability, Parts, Release, Save
 from .saves import BLOB_ABOVE, has_blob
 from .schema import statements
 from .upkeep import FREE_PAGES, give_back
 from .writer import Job, open_private
 
-__all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "Blobs", "blob_path", "has_blob"]
+__all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "PART_BYTES", "Blobs", "blob_path", "has_blob"]
 
 logger = logging.getLogger("porch.store")
 
@@ -53,6 +64,10 @@ _COMMIT_BYTES = 4 << 20
 # The side file's WAL, kept short (the data file's WAL_LIMIT is for many small rows).
 _WAL_LIMIT = 1 << 20
 _CHUNK = 256
+# The parts of a body streamed here (the last may be shorter).
+PART_BYTES = 1 << 20
+# A part write is answered within this much past the side file's busy_timeout.
+_PART_DEADLINE = 30.0
 
 _SCHEMA = """
     CREATE TABLE IF NOT EXISTS blobs (
@@ -62,7 +77,51 @@ _SCHEMA = """
         body    BLOB NOT NULL
     );
     CREATE INDEX IF NOT EXISTS blobs_written ON blobs (written);
+    CREATE TABLE IF NOT EXISTS parts (
+        blob    INTEGER NOT NULL,
+        seq     INTEGER NOT NULL,
+        key     TEXT NOT NULL,
+        written REAL NOT NULL,
+        body    BLOB NOT NULL
+    );
+    CREATE UNIQUE INDEX IF NOT EXISTS parts_blob ON parts (blob, seq);
+    CREATE INDEX IF NOT EXISTS parts_written ON parts (written);
 """
+_TABLES = frozenset({"blobs", "parts"})
+
+
+class _PartWrite:
+    """A part to write, and the future its writer awaits (settled on its loop)."""
+
+    __slots__ = ("blob", "data", "future", "key", "loop", "seq")
+
+    def __init__(
+        self,
+        blob: int,
+        seq: int,
+        key: str,
+        data: bytes,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[None],
+    ) -> None:
+        self.blob = blob
+        self.seq = seq
+        self.key = key
+        self.data = data
+        self.loop = loop
+        self.future = future
+
+    def settle(self, error: BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(_settle, self.future, error)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def blob_path(path: Path) -> Path:
@@ -71,8 +130,11 @@ def blob_path(path: Path) -> Path:
 
 
 class Blobs:
-    """The side file: its writer thread (bodies, drops, sweeps) and the decision writer's
-    reader of it. ``forward`` hands a job whose bodies committed to the decision writer."""
+    """The side file: its writer thread (bodies, parts, drops, sweeps), the decision
+    writer's reader of it, and the store's PartStore (streamed bodies, in parts).
+    ``forward`` hands a job whose bodies committed to the decision writer."""
+
+    part_bytes = PART_BYTES
 
     def __init__(
         self,
@@ -83,6 +145,7 @@ class Blobs:
         clock: Clock,
         upkeep_after: float,
         forward: Callable[[Job], None],
+        part_grace: float = PART_GRACE,
     ) -> None:
         self.data = data
         self.path = blob_path(data)
@@ -91,12 +154,16 @@ class Blobs:
         self.clock = clock
         self.upkeep_after = upkeep_after
         self._forward = forward
+        self.part_grace = part_grace
         # id(Save) -> its blob, from the body's commit until the job's reply.
         self.placed: dict[int, int] = {}
-        self._queue: queue.SimpleQueue[Job | list[int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None  # the decision writer's
         self._main: sqlite3.Connection | None = None  # the sweep's view of the data file
+        # Idle connections of the replays' part reads (worker threads, one at a time each).
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
 
     # -- lifecycle (blocking: called through asyncio.to_thread) ----------------------
 
@@ -119,10 +186,15 @@ class Blobs:
             thread.join(join_timeout)
 
     def close_reader(self) -> None:
-        """After the decision writer stopped: close its connection to the side file."""
+        """After the decision writer stopped: close its connection to the side file, and
+        the idle part readers' (one in use closes when it comes back)."""
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
+        with self._readers_lock:
+            readers, self._readers = self._readers, []
+        for conn in readers:
+            conn.close()
 
     def _connect(self) -> sqlite3.Connection:
         private_file(self.path)  # bodies are what the data file keeps: owner-only too
@@ -139,7 +211,7 @@ class Blobs:
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
             )
         }
-        if tables - {"blobs"}:
+        if tables - _TABLES:
             raise StoreError(f"{self.path} is not porch's side file; refusing to change it")
         (mode,) = conn.execute("PRAGMA auto_vacuum").fetchone()
         if mode != 2 and not tables:
@@ -165,16 +237,69 @@ class Blobs:
 
     # -- the decision writer ---------------------------------------------------------
 
-    def read(self, blob: int, key: str) -> bytes | None:
-        """The body of ``key`` kept as ``blob``; None if the side file lost it."""
+    def find(self, blob: int, key: str, length: int) -> bytes | Parts | None:
+        """The body of ``key`` kept as ``blob`` (``length`` bytes): whole, or in parts (then
+        their reference); None if the side file lost it, or some of its parts."""
         reader = self._reader
         if reader is None:
-            reader = self._reader = sqlite3.connect(
-                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
-            )
+            reader = self._reader = self._connect_reader()
         row = reader.execute("SELECT body FROM blobs WHERE id = ? AND key = ?", (blob, key))
         found = row.fetchone()
-        return None if found is None else bytes(found[0])
+        if found is not None:
+            return bytes(found[0])
+        return _whole(reader, blob, key, length)
+
+    def _connect_reader(self) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+        )
+
+    # -- the PartStore (on the event loop; blocking work in threads) --------------------
+
+    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
+        if self._thread is None:
+            raise StoreError("the SQLite store is not open")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.put(_PartWrite(body, index, key, data, loop, future))
+        try:
+            async with asyncio.timeout(self.busy_timeout + _PART_DEADLINE):
+                await future
+        except TimeoutError:
+            raise StoreError(f"writing a body part to {self.path} timed out") from None
+
+    async def keep(self, key: str, parts: Parts, ttl: float) -> None:
+        # A body no row names is kept PART_GRACE past its newest part, and the row that
+        # will name it comes next: the sweep never takes it meanwhile. Only check it.
+        whole = await asyncio.to_thread(self._with_reader, _whole, parts.id, key, parts.length)
+        if whole != parts:
+            raise StoreError(f"a body streamed to {self.path} is not whole; not stored")
+
+    async def read(self, key: str, parts: Parts, index: int) -> bytes | None:
+        return await asyncio.to_thread(self._with_reader, _part, parts.id, key, index)
+
+    def drop(self, key: str, body: int) -> None:
+        if self._thread is not None:
+            self._queue.put([body])
+
+    def _with_reader(self, read: Callable[..., _T], *args: object) -> _T:
+        """``read(conn, *args)`` on an idle part reader (opened if none is idle)."""
+        with self._readers_lock:
+            conn = self._readers.pop() if self._readers else None
+        try:
+            if conn is None:
+                conn = self._connect_reader()
+            found = read(conn, *args)
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            raise StoreError(f"reading a body part from {self.path}: {exc}") from exc
+        with self._readers_lock:
+            if self._thread is not None:
+                self._readers.append(conn)
+                return found
+        conn.close()  # the store closed meanwhile
+        return found
 
     # -- the side file's writer thread -----------------------------------------------
 
@@ -197,12 +322,16 @@ class Blobs:
                     continue
                 jobs: list[Job] = []
                 drops: list[int] = []
+                parts: list[_PartWrite] = []
                 size = 0
                 while True:
                     if item is None:
                         stopping = True
                     elif isinstance(item, list):
                         drops.extend(item)
+                    elif isinstance(item, _PartWrite):
+                        parts.append(item)
+                        size += len(item.data)
                     else:
                         jobs.append(item)
                         size += sum(len(op.response.body) for op in item[0] if has_blob(op))
@@ -212,8 +341,8 @@ class Blobs:
                         item = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                if jobs or drops:
-                    self._write(conn, jobs, drops)
+                if jobs or drops or parts:
+                    self._write(conn, jobs, drops, parts)
                     kept = True
                 if self.clock.monotonic() - swept >= self.upkeep_after:
                     kept = self._sweep(conn)
@@ -224,13 +353,27 @@ class Blobs:
                 self._main.close()
                 self._main = None
 
-    def _write(self, conn: sqlite3.Connection, jobs: list[Job], drops: list[int]) -> None:
-        """Bodies in one transaction, then each job on to the decision writer."""
+    def _write(
+        self,
+        conn: sqlite3.Connection,
+        jobs: list[Job],
+        drops: list[int],
+        parts: list[_PartWrite] | None = None,
+    ) -> None:
+        """Bodies and parts in one transaction, then each job on to the decision writer
+        and each part's writer answered."""
         written: list[tuple[Job, list[tuple[Save, int]]]] = []
         error: BaseException | None = None
+        parts = parts or []
         try:
             conn.execute("BEGIN IMMEDIATE")
             wall = self.clock.wall()
+            if parts:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO parts (blob, seq, key, written, body)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    [(p.blob, p.seq, p.key, wall, p.data) for p in parts],
+                )
             for job in jobs:
                 refs: list[tuple[Save, int]] = []
                 for op in job[0]:
@@ -249,6 +392,8 @@ class Blobs:
                 conn.execute("ROLLBACK")
             logger.error("porch: writing response bodies to %s failed: %s", self.path, exc)
             error = StoreError(f"SQLite store {self.path}: {exc}")
+        for part in parts:
+            part.settle(error)
         if error is not None:
             for ops, loop, done in jobs:
                 # Nothing stored; the claims the saves were ending end all the same.
@@ -284,12 +429,17 @@ class Blobs:
         """Delete old blobs that no row names (orphans, expired or replaced responses);
         whether any blob is left (an idle thread with none sleeps until the next body)."""
         try:
+            wall = self.clock.wall()
             old = [
                 int(blob)
                 for (blob,) in conn.execute(
-                    "SELECT id FROM blobs WHERE written <= ?", (self.clock.wall() - ORPHAN_GRACE,)
+                    "SELECT id FROM blobs WHERE written <= ?", (wall - ORPHAN_GRACE,)
                 )
             ]
+            # Bodies in parts whose newest part is old: an upload still going on writes
+            # a part more often than that.
+            stale = conn.execute(_STALE_PARTS, (wall - self.part_grace,))
+            old += [int(blob) for (blob,) in stale]
             if old:
                 named = self._named()
                 gone = [blob for blob in old if blob not in named]
@@ -299,7 +449,7 @@ class Blobs:
                     conn.execute("COMMIT")
             self._give_back(conn, idle=True)
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # idle: the WAL goes to 0 bytes
-            return conn.execute("SELECT 1 FROM blobs LIMIT 1").fetchone() is not None
+            return conn.execute(_ANY_LEFT).fetchone()[0] is not None
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -332,13 +482,43 @@ class Blobs:
 
 
 _NAMED = "SELECT blob FROM responses WHERE blob IS NOT NULL"
+_STALE_PARTS = (
+    "SELECT DISTINCT blob FROM parts WHERE written <= ?1"
+    " AND blob NOT IN (SELECT blob FROM parts WHERE written > ?1)"
+)
+_ANY_LEFT = "SELECT coalesce((SELECT 1 FROM blobs LIMIT 1), (SELECT 1 FROM parts LIMIT 1))"
+_Item = Job | list[int] | _PartWrite | None
+_T = TypeVar("_T")
+
+
+def _whole(conn: sqlite3.Connection, blob: int, key: str, length: int) -> Parts | None:
+    """The reference of ``key``'s body ``blob`` in parts if all of them are there and
+    they hold ``length`` bytes; else None. (``length()`` reads no overflow page.)"""
+    count, total, last = conn.execute(
+        "SELECT count(*), coalesce(sum(length(body)), 0), max(seq) FROM parts"
+        " WHERE blob = ? AND key = ?",
+        (blob, key),
+    ).fetchone()
+    if count == 0 or last != count - 1 or total != length:
+        return None
+    return Parts(blob, int(count), int(total))
+
+
+def _part(conn: sqlite3.Connection, blob: int, key: str, index: int) -> bytes | None:
+    row = conn.execute(
+        "SELECT body FROM parts WHERE blob = ? AND seq = ? AND key = ?", (blob, index, key)
+    ).fetchone()
+    return None if row is None else bytes(row[0])
 
 
 def _delete(conn: sqlite3.Connection, blobs: Iterable[int]) -> None:
+    """Delete these bodies, whole or in parts (one id space: random 63-bit ids)."""
     ids = list(blobs)
     for i in range(0, len(ids), _CHUNK):
         chunk = ids[i : i + _CHUNK]
-        conn.execute(f"DELETE FROM blobs WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+        marks = ",".join("?" * len(chunk))
+        conn.execute(f"DELETE FROM blobs WHERE id IN ({marks})", chunk)
+        conn.execute(f"DELETE FROM parts WHERE blob IN ({marks})", chunk)
 
 
 def _failed(

@@ -16,7 +16,19 @@ import json
 import sqlite3
 from collections.abc import Sequence
 
-from ..base import Claim, Hit, Lookup, Release, Save, Settle, StoredResponse, StoreOp, Vacate
+from ..base import (
+    Claim,
+    Hit,
+    Lookup,
+    Parts,
+    Release,
+    Save,
+    Settle,
+    StoredResponse,
+    StoreOp,
+    Vacate,
+    stored_size,
+)
 from .claims import SQLiteClaims
 from .counters import apply_counters, apply_lone_hit, prune_counters
 from .saves import Bodies, Heads, Usage, apply_writes, chunks
@@ -170,27 +182,30 @@ def _select_responses(
     expired: list[tuple[str]] = []
     for chunk in chunks(list(set(keys))):
         marks = ",".join("?" * len(chunk))
-        for key, digest, status, headers, body, expires, blob in conn.execute(
-            "SELECT key, digest, status, headers, body, expires, blob FROM responses"
+        for key, digest, status, headers, body, expires, blob, size in conn.execute(
+            "SELECT key, digest, status, headers, body, expires, blob, size FROM responses"
             f" WHERE key IN ({marks})",
             chunk,
         ):
             if now >= expires:
                 expired.append((key,))  # pruned when touched
                 continue
+            head = tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers))
+            parts = None
             if blob is not None:
-                body = None if bodies is None else bodies.read(int(blob), key)
-                if body is None:
+                # The body's length: what its row counts, but for the key, digest and head.
+                length = size - stored_size(key, StoredResponse(digest, 0, head, b""))
+                kept = None if bodies is None else bodies.find(int(blob), key, length)
+                if kept is None:
                     # The side file lost it (a power loss under durability="process"):
                     # no stored response, so the key is served again.
                     expired.append((key,))
                     continue
-            found[key] = StoredResponse(
-                bytes(digest),
-                int(status),
-                tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers)),
-                bytes(body),
-            )
+                if isinstance(kept, Parts):
+                    body, parts = b"", kept
+                else:
+                    body = kept
+            found[key] = StoredResponse(bytes(digest), int(status), head, bytes(body), parts)
     if expired:
         conn.executemany("DELETE FROM responses WHERE key = ?", expired)
     return found

@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeGuard
 
-from ..base import Quota, QuotaBucket, Release, Save, StoreOp
+from ..base import Parts, Quota, QuotaBucket, Release, Save, StoreOp
 from .claims import SQLiteClaims
 
 __all__ = [
@@ -40,7 +40,10 @@ class Bodies(Protocol):
     # id(Save) -> the blob holding its body, written and committed before the batch came.
     placed: dict[int, int]
 
-    def read(self, blob: int, key: str) -> bytes | None: ...
+    def find(self, blob: int, key: str, length: int) -> bytes | Parts | None:
+        """``key``'s body kept as ``blob`` (``length`` bytes), whole or in parts; None if
+        it is not all there."""
+        ...
 
 
 _UPSERT_RESPONSE = (
@@ -248,6 +251,8 @@ def apply_writes(
         blob = placed.get(id(op))
         if blob is not None:
             body = b""  # committed in the side file before this batch came
+        elif response.parts is not None:
+            blob = response.parts.id  # streamed to the side file in parts, and kept
         rows.append(
             (
                 op.key,

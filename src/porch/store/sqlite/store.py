@@ -31,6 +31,7 @@ from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ..base import (
     ALGORITHMS,
+    PART_GRACE,
     Capabilities,
     Claims,
     Durability,
@@ -86,6 +87,9 @@ class SQLiteStore(SQLiteWriter):
     fencing itself is implied by the lock (nobody else can claim meanwhile).
     Without OFD locks (not Linux) claims are per process: counters stay exact
     across processes, but two processes may each run a key's handler.
+
+    ``part_grace``: seconds after its last part a body streamed in parts that no row
+    names (its owner died mid-stream) is deleted (see :class:`~porch.store.base.PartStore`).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class SQLiteStore(SQLiteWriter):
         prune_batch: int = 64,
         upkeep_after: float = 1.0,
         clock: Clock | None = None,
+        part_grace: float = PART_GRACE,
     ) -> None:
         if durability not in ("process", "power"):
             raise ConfigurationError(f"durability must be 'process' or 'power', got {durability!r}")
@@ -107,6 +112,8 @@ class SQLiteStore(SQLiteWriter):
             raise ConfigurationError(f"prune_batch must be >= 1, got {prune_batch}")
         if not upkeep_after > 0:
             raise ConfigurationError(f"upkeep_after must be > 0 seconds, got {upkeep_after}")
+        if not part_grace > 0:
+            raise ConfigurationError(f"part_grace must be > 0 seconds, got {part_grace}")
         if not filename or os.sep in filename:
             raise ConfigurationError(f"filename must be a bare file name, got {filename!r}")
         self.path = Path(directory) / filename
@@ -149,6 +156,7 @@ class SQLiteStore(SQLiteWriter):
             clock=self.clock,
             upkeep_after=self.upkeep_after,
             forward=self._queue_job,
+            part_grace=float(part_grace),
         )
         self._bodies = self._blobs
         self.capabilities = Capabilities(
@@ -165,6 +173,8 @@ class SQLiteStore(SQLiteWriter):
             algorithms=frozenset(ALGORITHMS),
             # Freed at once when the holding process dies: no lease (slot_lease None).
             slots=True,
+            # Streamed bodies: parts in the side file, written by its thread.
+            parts=self._blobs,
         )
 
     @property
