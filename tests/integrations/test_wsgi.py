@@ -11,8 +11,10 @@ import functools
 import io
 import json
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -27,11 +29,14 @@ from porch import (
     IdempotencyRule,
     KeyPool,
     Limit,
+    Quota,
     RateLimitMiddleware,
     Rule,
     SQLiteStore,
 )
 from porch.integrations.wsgi import WSGIMiddleware
+from porch.store.base import Parts
+from porch.store.sqlite.blobs import blob_path
 
 
 class Quiet(WSGIRequestHandler):
@@ -230,3 +235,85 @@ def test_rules_match_the_path_below_script_name(tmp_path: Path) -> None:
         thread.join(10)
         guarded.close()
     assert statuses == [201, 201, 429]
+
+
+class VanishingParts:
+    """The store's real PartStore; while ``vanish`` is set, reading part 0 deletes part 2
+    from the side file (a real connection): a replay then loses it after its head left."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self.store = store
+        self.inner = store._blobs
+        self.part_bytes = self.inner.part_bytes
+        self.vanish = False
+
+    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
+        await self.inner.write(key, body, index, data)
+
+    async def keep(self, key: str, parts: Parts, ttl: float) -> None:
+        await self.inner.keep(key, parts, ttl)
+
+    async def read(self, key: str, parts: Parts, index: int) -> bytes | None:
+        if index == 0 and self.vanish:
+            with sqlite3.connect(blob_path(self.store.path)) as conn:
+                conn.execute("DELETE FROM parts WHERE seq = 2")
+        return await self.inner.read(key, parts, index)
+
+    def drop(self, key: str, body: int) -> None:
+        self.inner.drop(key, body)
+
+
+def test_a_big_response_streams_through_the_bridge_both_ways(tmp_path: Path) -> None:
+    size = 3 * (1 << 20) + 12345
+    runs: list[int] = []
+
+    def export(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        runs.append(1)
+        start_response("201 Created", [("Content-Type", "application/octet-stream")])
+        pattern = bytes(range(256)) * 256
+        return (pattern[: min(len(pattern), size - i)] for i in range(0, size, len(pattern)))
+
+    store = SQLiteStore(tmp_path)
+    vanishing = VanishingParts(store)
+    store.capabilities = replace(store.capabilities, parts=vanishing)
+    pool = KeyPool(store, size=2)
+    quota = Quota(scope_bytes=32 << 20, client_bytes=32 << 20, total_bytes=1 << 30)
+    guarded = WSGIMiddleware(
+        export,
+        pool=pool,
+        wrap=lambda inner: IdempotencyMiddleware(
+            inner, pool=pool, rules=IdempotencyRule("/", methods=["POST"]),
+            max_stored=8 << 20, quota=quota,
+        ),
+    )  # fmt: skip
+
+    def post() -> tuple[list[tuple[str, list[tuple[str, str]]]], Iterable[bytes]]:
+        environ: dict[str, Any] = {}
+        setup_testing_defaults(environ)
+        environ.update(REQUEST_METHOD="POST", PATH_INFO="/export", HTTP_IDEMPOTENCY_KEY="big")
+        environ["REMOTE_ADDR"] = "10.0.0.1"
+        heads: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def start_response(status: str, headers: Any) -> Callable[[bytes], object]:
+            heads.append((status, headers))
+            return lambda data: None
+
+        return heads, guarded(environ, start_response)
+
+    try:
+        _, body = post()
+        first = b"".join(body)
+        assert len(first) == size
+        heads, body = post()
+        assert b"".join(body) == first
+        assert ("idempotent-replayed", "true") in heads[0][1]
+        # A part gone after the head left: the response ends short, never as if complete
+        # (the iterable raises: a server with keep-alive would otherwise end it as whole).
+        vanishing.vanish = True
+        heads, body = post()
+        with pytest.raises(RuntimeError, match="cut short"):
+            b"".join(body)
+        assert heads[0][0] == "201 Created"
+    finally:
+        guarded.close()
+    assert len(runs) == 1

@@ -2,7 +2,10 @@
 
 The owner's response streams to its client while a copy is kept; the last body
 chunk is held until the stored copy is committed, so a client that received a
-complete response can always have it replayed.
+complete response can always have it replayed. A body bigger than one part of
+the store's PartStore is not kept whole: it goes to the store part by part as the
+app sends it (its MAC computed as it passes), and the Save that follows its last
+part names it.
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Protocol
 
 from .._types import Message, Send
 from ..errors import PoolClosedError, StoreError
-from ..store.base import StoredResponse, stored_size
+from ..store.base import Parts, PartStore, StoredResponse, stored_size
 from ._events import IdempotencyEvents
-from ._integrity import MAC_SIZE, IntegrityKeys
+from ._integrity import MAC_SIZE, BodyMac, IntegrityKeys
 from ._ownership import Report, Reservation
 
 __all__ = ["REPLAYED_HEADERS", "TOKEN", "Capture", "Owner", "storable"]
@@ -55,6 +59,8 @@ class Owner(Protocol):
     """The keys stored responses are signed with (None: not signed)."""
     header_names: dict[bytes, bytes]
     """Response header names found valid, and their replayed form (see :func:`head`)."""
+    parts: PartStore | None
+    """Where bodies bigger than a part go, part by part (None: kept whole)."""
 
     def report_owner(
         self,
@@ -142,18 +148,27 @@ class Capture:
 
     The last body chunk is held until the stored copy is committed: a client
     that received a complete response can always have it replayed, even if the
-    process dies the next instant.
+    process dies the next instant. A copy that grows past one part of the store's
+    PartStore goes there part by part as it comes (``held``: the bytes kept here
+    meanwhile, at most a part and a chunk), so memory does not grow with the body.
     """
 
     __slots__ = (
+        "body",
         "caller",
         "chunks",
+        "count",
         "digest",
+        "failed",
         "headers",
+        "held",
         "invalid",
         "key",
+        "length",
+        "mac",
         "oversized",
         "owner",
+        "parts",
         "policy",
         "reported",
         "reservation",
@@ -189,16 +204,30 @@ class Capture:
         self.start: Message | None = None
         self.headers: tuple[tuple[bytes, bytes], ...] = ()
         self.chunks: list[bytes] = []
+        self.held = 0  # bytes in chunks
         self.size = 0
         self.oversized = False
         self.invalid: bytes | None = None
         self.reported = False
+        self.parts = owner.parts
+        self.failed = False  # a part could not be written: nothing is stored
+        self.body = 0  # the id of the body in parts, once one was written
+        self.count = 0  # parts written
+        self.length = 0  # bytes in them
+        self.mac: BodyMac | None = None
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
         return self.owner.report_owner(
             self.key, self.token, self.reservation, response, self.shard, self.policy.ttl
         )
+
+    def abandon(self) -> None:
+        """The app ended without a response to store (it raised, or was cancelled): release
+        the key and drop any parts written."""
+        self._drop_parts()
+        if not self.reported:
+            self.report(None)
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
@@ -217,23 +246,90 @@ class Capture:
             return
         if kind == "http.response.body" and not self.reported:
             chunk: bytes = message.get("body", b"")
-            if not self.oversized:
+            more = message.get("more_body", False)
+            if not self.oversized and not self.failed:
                 self.size += len(chunk)
                 if self.size > self.policy.max_stored:
                     self.oversized = True
                     self.chunks.clear()
+                    self.held = 0
+                    self._drop_parts()
                 else:
-                    self.chunks.append(chunk)
-            if not message.get("more_body", False):
+                    if chunk:
+                        self.chunks.append(chunk)
+                        self.held += len(chunk)
+                    parts = self.parts
+                    if more and parts is not None and self.held > parts.part_bytes:
+                        await self._write_parts(parts, final=False)
+            if not more:
                 await self._complete()
         if self.start is not None:
             start, self.start = self.start, None
             await self.send(start)
         await self.send(message)
 
+    async def _write_parts(self, parts: PartStore, *, final: bool) -> None:
+        """Write what is held as whole parts (``final``: the rest too, as the last part)."""
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.held = 0
+        if not self.body:
+            self.body = secrets.randbits(63) or 1
+            integrity = self.owner.integrity
+            if integrity is not None:
+                self.mac = integrity.streaming(self.key, self.digest, self.status, self.headers)
+        size = parts.part_bytes
+        view = memoryview(data)
+        start = 0
+        try:
+            while len(data) - start >= size or (final and start < len(data)):
+                whole = start == 0 and len(data) <= size
+                piece = data if whole else bytes(view[start : start + size])
+                await parts.write(self.key, self.body, self.count, piece)
+                if self.mac is not None:
+                    self.mac.update(piece)
+                self.count += 1
+                self.length += len(piece)
+                start += len(piece)
+        except StoreError as exc:
+            self.failed = True
+            self._drop_parts()
+            self._not_stored(exc)
+            return
+        if start < len(data):
+            rest = data[start:]
+            self.chunks.append(rest)
+            self.held = len(rest)
+
+    def _drop_parts(self) -> None:
+        if self.body and self.parts is not None:
+            self.parts.drop(self.key, self.body)
+        self.body = 0
+
+    def _not_stored(self, exc: BaseException) -> None:
+        # The handler's work is done: deliver the response, but say loudly that a retry
+        # will not be able to replay it. Throttled: with the store down, every owner
+        # would say it.
+        self.owner.events.log.event(
+            logging.ERROR,
+            ("store", "save"),
+            asyncio.get_running_loop().time(),
+            1.0,
+            "porch: could not store the response for replay: %s",
+            exc,
+            scope=self.caller,
+            outcome="not_stored",
+            cause="store",
+        )
+
     async def _complete(self) -> None:
         """The app finished its response: store it (if storable) before the last chunk leaves."""
-        if self.invalid is not None or self.oversized or not self.policy.stores(self.status):
+        if (
+            self.invalid is not None
+            or self.oversized
+            or self.failed
+            or not self.policy.stores(self.status)
+        ):
             if self.invalid is not None:
                 # The server will refuse to send it; stored, every retry would fail the
                 # same way for the whole ttl. Passed on as is: the server decides.
@@ -246,29 +342,26 @@ class Capture:
                     "porch: response over max_stored=%d bytes was not stored; key released",
                     self.policy.max_stored,
                 )
-            self.report(None)
+            self.abandon()
             return
-        stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
-        if self.owner.integrity is not None:
-            stored = self.owner.integrity.sign(self.key, stored)
+        parts = self.parts
+        if parts is not None and (self.body or self.held > parts.part_bytes):
+            stored = await self._keep_parts(parts)
+            if stored is None:
+                return
+        else:
+            stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
+            if self.owner.integrity is not None:
+                stored = self.owner.integrity.sign(self.key, stored)
         try:
             outcome = await self.report(stored)
         except (StoreError, PoolClosedError) as exc:
-            # The handler's work is done: deliver the response, but say
-            # loudly that a retry will not be able to replay it.
-            # Throttled: with the store down, every owner would say it.
-            self.owner.events.log.event(
-                logging.ERROR,
-                ("store", "save"),
-                asyncio.get_running_loop().time(),
-                1.0,
-                "porch: could not store the response for replay: %s",
-                exc,
-                scope=self.caller,
-                outcome="not_stored",
-                cause="store",
-            )
+            # Its parts are not dropped: the Save may have committed all the same (its
+            # answer lost). Nothing names them otherwise, and they go with their grace.
+            self._not_stored(exc)
             return
+        if outcome != "saved":
+            self._drop_parts()  # nothing names them
         if outcome == "quota":
             self.owner.events.unstored_over_quota(self.caller)
         elif outcome == "fenced":
@@ -279,3 +372,23 @@ class Capture:
                 "porch: an idempotency owner lost its claim before saving (fenced);"
                 " its response was sent but not stored"
             )
+
+    async def _keep_parts(self, parts: PartStore) -> StoredResponse | None:
+        """The rest of a body in parts written and kept: the response that names it (None:
+        not stored, the key released)."""
+        await self._write_parts(parts, final=True)
+        if self.failed:
+            self.abandon()
+            return None
+        ref = Parts(self.body, self.count, self.length)
+        headers = self.headers
+        integrity = self.owner.integrity
+        if integrity is not None and self.mac is not None:
+            headers = (*headers, integrity.header(self.mac, self.length))
+        try:
+            await parts.keep(self.key, ref, self.policy.ttl)
+        except StoreError as exc:
+            self._not_stored(exc)
+            self.abandon()
+            return None
+        return StoredResponse(self.digest, self.status, headers, b"", ref)

@@ -143,6 +143,8 @@ class IdempotencyMiddleware:
         self._identity: KeyFunc = identity
         # Opt-in: stored responses signed and checked before a replay (see _integrity).
         self.integrity = None if integrity_key is None else IntegrityKeys(integrity_key)
+        # Where bodies bigger than a part are streamed to, and replayed from.
+        self.parts = pool.store.capabilities.parts
         # The default policy's, as before policies (each rule may say otherwise).
         self.ttl = policy.ttl
         self.wait_timeout = policy.wait_timeout
@@ -389,6 +391,9 @@ class IdempotencyMiddleware:
 
         outcomes = self.events.outcomes
         if isinstance(outcome, StoredResponse):
+            if outcome.parts is not None:
+                await self._replay_parts(scope, receive, send, key, outcome)
+                return
             if self.integrity is not None and not self.integrity.verify(key, outcome):
                 await self._forged(scope, receive, send)
                 return
@@ -413,6 +418,111 @@ class IdempotencyMiddleware:
                 outcomes["executed"].inc()
             capture = Capture(send, self, policy, key, acquire.token, reservation, digest, shard)
             await self._run_owner(scope, receive, capture, body)
+
+    async def _replay_parts(
+        self, scope: Scope, receive: Receive, send: Send, key: str, stored: StoredResponse
+    ) -> None:
+        """Replay a body kept in parts, one part in memory at a time.
+
+        With an integrity key, the whole body is read and its MAC checked before the first
+        byte leaves (a forged or damaged record is refused whole, 503), and checked again
+        as it is sent: a body that changed in between loses its last part. A part found
+        missing before the first byte is a 503 (its record expired meanwhile: a retry runs
+        the handler); after it, the response is cut short of its Content-Length and the
+        connection closed, which every client reports as an incomplete response.
+        """
+        parts, ref = self.parts, stored.parts
+        if parts is None or ref is None:
+            await self._unreadable(scope, receive, send, "this store keeps no bodies in parts")
+            return
+        check = None
+        if self.integrity is not None:
+            check = self.integrity.check(key, stored)
+            if check is None:  # no MAC at all: written without the key
+                await self._forged(scope, receive, send)
+                return
+            try:
+                for index in range(ref.count):
+                    found = await parts.read(key, ref, index)
+                    if found is None:
+                        await self._unreadable(scope, receive, send, f"part {index} is gone")
+                        return
+                    check.update(found)
+            except StoreError as exc:
+                await self._store_failed(scope, receive, send, exc)
+                return
+            if not check.verified():
+                await self._forged(scope, receive, send)
+                return
+            check = self.integrity.check(key, stored)  # again, as the parts leave
+        try:
+            first = await parts.read(key, ref, 0)
+        except StoreError as exc:
+            await self._store_failed(scope, receive, send, exc)
+            return
+        if first is None:
+            await self._unreadable(scope, receive, send, "part 0 is gone")
+            return
+        outcomes = self.events.outcomes
+        if outcomes is not None:
+            outcomes["replayed"].inc()
+        headers = [pair for pair in stored.headers if pair[0] in REPLAYED_HEADERS]
+        headers.append((b"idempotent-replayed", b"true"))
+        headers.append((b"content-length", str(ref.length).encode("ascii")))
+        await send({"type": "http.response.start", "status": stored.status, "headers": headers})
+        piece: bytes | None = first
+        sent = 0
+        for index in range(ref.count):
+            if index:
+                try:
+                    piece = await parts.read(key, ref, index)
+                except StoreError as exc:
+                    self._cut_short(scope, f"reading part {index} failed: {exc}")
+                    return
+            if piece is None:
+                self._cut_short(scope, f"part {index} is gone")
+                return
+            sent += len(piece)
+            last = index == ref.count - 1
+            if check is not None:
+                check.update(piece)
+                if last and not check.verified():
+                    self._cut_short(scope, "the body changed since it was checked")
+                    return
+            if sent > ref.length or (last and sent != ref.length):
+                self._cut_short(scope, f"its parts hold {sent} bytes, not {ref.length}")
+                return
+            await send({"type": "http.response.body", "body": piece, "more_body": not last})
+
+    async def _unreadable(self, scope: Scope, receive: Receive, send: Send, why: str) -> None:
+        """A stored body in parts that cannot be read before its first byte left (its record
+        expired meanwhile, or the store lost it): 503, and a retry finds the key anew."""
+        self.events.event(
+            scope,
+            "store",
+            503,
+            logging.ERROR,
+            "porch: a stored response could not be replayed (%s); answering 503",
+            why,
+        )
+        await problem(
+            503,
+            "the stored response for this Idempotency-Key could not be read; retry",
+            cause="store",
+            headers=self._retry_after,
+        )(scope, receive, send)
+
+    def _cut_short(self, scope: Scope, why: str) -> None:
+        """A replay in parts that cannot go on after its head left: it ends short of its
+        Content-Length (the server closes the connection; the client sees it incomplete)."""
+        self.events.event(
+            scope,
+            "store",
+            503,
+            logging.ERROR,
+            "porch: a replay was cut short (%s); the client got an incomplete response",
+            why,
+        )
 
     async def _forged(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A stored response whose MAC does not verify: written by someone without the key
@@ -467,7 +577,7 @@ class IdempotencyMiddleware:
             # Always report, also when the handler raised or was cancelled: a
             # missing report would leave the duplicates parked until their deadline.
             if not capture.reported:
-                capture.report(None)
+                capture.abandon()
 
     def report_owner(
         self,

@@ -125,6 +125,15 @@ class Exchange:
         return receive
 
     async def send(self, message: Message) -> None:
+        if message.get("more_body", False):
+            # Not the last: wait until the server's thread took it on to the client, so a
+            # replay read from the store part by part never piles up here faster than
+            # the client reads it. (The last one, and a head, need no wait: the thread
+            # takes them before it learns that the response ended.)
+            reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.inbox.put(("send", reply, message))
+            await reply
+            return
         self.inbox.put(("send", None, message))
 
     async def serve(self, scope: Scope) -> None:
@@ -142,11 +151,16 @@ class Exchange:
 
     def _respond(self, future: concurrent.futures.Future[None]) -> Iterator[bytes]:
         started = False
+        ended = False  # the last body chunk came
         try:
             while True:
                 what, reply, *args = self.inbox.get()
                 if what == "send":
                     message: Message = args[0]
+                    if message["type"] == "http.response.body" and not message.get(
+                        "more_body", False
+                    ):
+                        ended = True
                     if message["type"] == "http.response.start":
                         self.start_response(
                             status_line(message["status"]),
@@ -158,12 +172,18 @@ class Exchange:
                         started = True
                     elif message.get("body"):
                         yield message["body"]
+                    if reply is not None:
+                        self._settle(reply, None, None)
                 elif what == "done":
                     exc = future.exception() if not future.cancelled() else None
                     if exc is not None:
                         raise exc
                     if not started:
                         raise RuntimeError("porch: the middlewares ended without a response")
+                    if not ended:
+                        # Cut short (a replay whose stored body could not be read whole):
+                        # the server must not end it as if it were complete.
+                        raise RuntimeError("porch: the response was cut short")
                     return
                 else:
                     self._answer(what, reply, args)
