@@ -7,10 +7,12 @@ from typing import Any
 __all__ = [
     "ConfigurationError",
     "ForwardingHeaderError",
+    "IntegrityError",
     "KeyInProgressError",
     "KeyReusedError",
     "PoolClosedError",
     "PorchError",
+    "QuotaFullError",
     "RateLimitExceeded",
     "SaturatedError",
     "StoreError",
@@ -43,6 +45,21 @@ class KeyReusedError(PorchError):
 class KeyInProgressError(PorchError):
     """Raised when an idempotent function's call under a key still running elsewhere waited
     past ``wait_timeout`` (at once with ``concurrent="conflict"``; HTTP's 409)."""
+
+
+class QuotaFullError(PorchError):
+    """Raised when an idempotent function's call is refused before it runs: its result could
+    not be stored, because the ``bucket`` quota (``"scope"`` or ``"client"``: the function's
+    own; ``"total"``: the store's) is full (HTTP's 429 or 503)."""
+
+    def __init__(self, message: str, bucket: str) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+
+
+class IntegrityError(PorchError):
+    """Raised when an idempotent function's stored result fails its integrity check (written
+    without its ``integrity_key``, or tampered with): it is not returned (HTTP's 503)."""
 
 
 class RateLimitExceeded(PorchError):

@@ -4,6 +4,7 @@ tests/store/conformance/test_functions.py)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,10 @@ import pytest
 from porch import (
     ConfigurationError,
     IdempotencyMiddleware,
+    IdempotencyPolicy,
+    IntegrityError,
     KeyPool,
+    Quota,
     SQLiteStore,
     idempotent_function,
 )
@@ -97,6 +101,10 @@ def test_configuration(tmp_path: Path) -> None:
         idempotent_function(pool, name="")(f)
     with pytest.raises(ConfigurationError, match="fingerprint must be 'json'"):
         idempotent_function(pool, fingerprint="bytes")(f)
+    with pytest.raises(ConfigurationError, match="every cap of quota must hold max_stored"):
+        idempotent_function(pool, quota=Quota(scope_bytes=1000, client_bytes=1000))
+    with pytest.raises(ConfigurationError, match="an integrity_key must be at least 16"):
+        idempotent_function(pool, integrity_key=b"short")
     assert idempotent_function(pool)(f).name.endswith("test_configuration.<locals>.f")
 
 
@@ -135,3 +143,55 @@ async def test_no_request_reaches_a_functions_key(tmp_path: Path) -> None:
         assert refused.json()["cause"] == "configuration"
         assert calls == []
         assert await hook("e1") == "function"
+
+
+async def test_a_stored_result_is_checked_before_it_is_returned(tmp_path: Path) -> None:
+    """With an integrity key, a result is signed when stored; a stored result written
+    without the key, or changed in the store, raises IntegrityError, never returned."""
+    store = SQLiteStore(tmp_path)
+    runs: list[str] = []
+
+    async def charge(order: str) -> dict[str, str]:
+        runs.append(order)
+        return {"order": order, "paid": "yes"}
+
+    async with KeyPool(store) as pool:
+        signed = idempotent_function(pool, key="order", name="charge", integrity_key=b"k" * 32)
+        plain = idempotent_function(pool, key="order", name="charge")
+        checked, unchecked = signed(charge), plain(charge)
+        assert await checked("o-1") == await checked("o-1") == {"order": "o-1", "paid": "yes"}
+        assert await unchecked("o-2") == {"order": "o-2", "paid": "yes"}  # stored unsigned
+        with pytest.raises(IntegrityError):
+            await checked("o-2")
+        # Someone with write access to the store changes the stored result.
+        with sqlite3.connect(store.path) as conn:
+            conn.execute(
+                "UPDATE responses SET body = ? WHERE key LIKE '%o-1'",
+                (b'{"order":"o-1","paid":"no"}',),
+            )
+        with pytest.raises(IntegrityError):
+            await checked("o-1")
+    assert runs == ["o-1", "o-2"]
+
+
+async def test_a_signed_result_counts_its_head_and_mac_against_max_stored(
+    tmp_path: Path,
+) -> None:
+    """The bytes a call's claim reserved hold its whole stored result (as a request's): a
+    result that fits max_stored only without its key, head and MAC is not stored."""
+    runs: list[int] = []
+
+    async def blob(n: int) -> str:
+        runs.append(n)
+        return "x" * n
+
+    async with KeyPool(SQLiteStore(tmp_path)) as pool:
+        small = IdempotencyPolicy(max_stored=300)
+        f = idempotent_function(pool, key="n", name="blob", policy=small, integrity_key=b"k" * 32)(
+            blob
+        )
+        assert await f(100) == "x" * 100
+        assert await f(100) == "x" * 100  # stored
+        assert await f(290) == "x" * 290  # 290 + 2 quotes fit 300 alone, not with the rest
+        assert await f(290) == "x" * 290
+    assert runs == [100, 290, 290]

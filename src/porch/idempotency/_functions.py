@@ -9,7 +9,10 @@ execution per key across every process and host sharing the store, duplicates wa
 for the running call's result (at most ``wait_timeout``), a call that raises stores
 nothing (the next duplicate runs it), and a crash never wedges the key (the claim
 dies with its holder, as the store promises). The result is kept for ``ttl``
-seconds, encoded by a codec (JSON by default) as a stored response's body.
+seconds, encoded by a codec (JSON by default) as a stored response's body. As a keyed
+request's, a call's claim reserves ``max_stored`` bytes of the function's quota (a
+full quota refuses the call before it runs), and with an ``integrity_key`` its
+result is signed when stored and checked before a stored result is returned.
 """
 
 from __future__ import annotations
@@ -22,13 +25,30 @@ import inspect
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
-from ..errors import ConfigurationError, KeyInProgressError, KeyReusedError, StoreError
+from ..errors import (
+    ConfigurationError,
+    IntegrityError,
+    KeyInProgressError,
+    KeyReusedError,
+    QuotaFullError,
+    StoreError,
+)
 from ..pool._pool import KeyPool
-from ..store.base import Quota, StoredResponse
-from ._ownership import OWNER, Acquire, Complete, Outcome, Report
+from ..store.base import Quota, StoredResponse, stored_size
+from ._integrity import IntegrityKeys
+from ._ownership import (
+    OWNER,
+    Acquire,
+    Complete,
+    Outcome,
+    QuotaFull,
+    Report,
+    Reservation,
+    check_quota,
+)
 from ._policy import IdempotencyPolicy
 
 __all__ = ["Codec", "IdempotentFunction", "JSONCodec", "idempotent_function"]
@@ -101,6 +121,7 @@ class IdempotentFunction(Generic[P, R]):
         policy: IdempotencyPolicy,
         codec: Codec,
         quota: Quota,
+        integrity: IntegrityKeys | None = None,
     ) -> None:
         self.func = func
         self.pool = pool
@@ -109,6 +130,9 @@ class IdempotentFunction(Generic[P, R]):
         self.codec = codec
         self.quota = quota
         self.scope = _SCOPE + name
+        self.integrity = integrity
+        # No client address here: the function's scope is its caller, for both quotas.
+        self.reservation = Reservation(self.scope, self.scope, quota, policy.max_stored)
         self._key = key
         self._fingerprint = fingerprint
         self._signature = inspect.signature(func)
@@ -166,7 +190,7 @@ class IdempotentFunction(Generic[P, R]):
     ) -> Any:
         outcome, acquire, shard = await self._acquire(key, digest)
         if outcome is not OWNER:
-            return self._answer(outcome)
+            return self._answer(key, outcome)
         try:
             result = await cast(Callable[..., Awaitable[Any]], self.func)(*args, **kwargs)
             body, value = self._encoded(result)
@@ -190,7 +214,7 @@ class IdempotentFunction(Generic[P, R]):
         policy = self.policy
         wait = policy.wait_timeout if policy.concurrent == "wait" else 0.0
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        acquire = Acquire(future, key, digest, wait)
+        acquire = Acquire(future, key, digest, wait, self.reservation)
         shard = pool.submit(key, acquire)
         try:
             outcome = await future
@@ -205,10 +229,27 @@ class IdempotentFunction(Generic[P, R]):
             ) from None
         return outcome, acquire, shard
 
-    def _answer(self, outcome: Outcome) -> Any:
-        """A duplicate's answer: the stored result, or the key was used for other arguments."""
+    def _answer(self, key: str, outcome: Outcome) -> Any:
+        """A duplicate's answer: the stored result (checked first, with an integrity key);
+        or the key was used for other arguments; or the result could not be stored."""
         if isinstance(outcome, StoredResponse):
+            if self.integrity is not None and not self.integrity.verify(key, outcome):
+                logger.error(
+                    "porch: %s's stored result failed its integrity check (written without"
+                    " integrity_key, or tampered with); not returned",
+                    self.name,
+                )
+                raise IntegrityError(f"{self.name}: the stored result failed its integrity check")
+            if outcome.parts is not None:  # never stored so: a result is stored whole
+                raise StoreError(f"{self.name}: the stored result is kept in parts")
             return self.codec.decode(outcome.body)
+        if isinstance(outcome, QuotaFull):
+            whose = "the store's" if outcome.bucket == "total" else "this function's"
+            raise QuotaFullError(
+                f"{self.name}: {whose} stored results have reached their quota: its result"
+                " could not be stored, so it was not run; retry once earlier results expire",
+                outcome.bucket,
+            )
         raise KeyReusedError(
             f"{self.name}: this key's stored result is for a call with other arguments"
         )
@@ -220,7 +261,6 @@ class IdempotentFunction(Generic[P, R]):
         self, key: str, token: int, shard: int, stored: StoredResponse | None
     ) -> asyncio.Future[Report]:
         done: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
-        # No client address here: the function's scope is its caller, for both quotas.
         call = Complete.of(
             done, key, token, stored, self.policy.ttl, self.scope, self.quota, self.scope
         )
@@ -233,7 +273,12 @@ class IdempotentFunction(Generic[P, R]):
     async def _save(self, key: str, token: int, shard: int, digest: bytes, body: bytes) -> None:
         """Store the result (ends the claim); a failure to store is logged, not raised: the
         work is done, and its caller gets its result."""
-        if len(body) > self.policy.max_stored:
+        stored = StoredResponse(digest, 200, ((b"content-type", self.codec.media_type),), body)
+        if self.integrity is not None:
+            stored = self.integrity.sign(key, stored)
+        # What its claim reserved holds it: key, digest, head (and MAC) and body, counted
+        # as the store counts them.
+        if stored_size(key, stored) > self.policy.max_stored:
             logger.warning(
                 "porch: %s's result over max_stored=%d bytes was not stored; key released",
                 self.name,
@@ -241,7 +286,6 @@ class IdempotentFunction(Generic[P, R]):
             )
             self._release(key, token, shard)
             return
-        stored = StoredResponse(digest, 200, ((b"content-type", self.codec.media_type),), body)
         try:
             outcome = await self._report(key, token, shard, stored)
         except Exception as exc:
@@ -267,7 +311,7 @@ class IdempotentFunction(Generic[P, R]):
             pending.cancel()
             raise StoreError(f"{self.name}: no answer from the store in {bound:.0f} s") from None
         if outcome is not OWNER:
-            return self._answer(outcome)
+            return self._answer(key, outcome)
         try:
             result = self.func(*args, **kwargs)
             body, value = self._encoded(result)
@@ -311,6 +355,7 @@ def idempotent_function(
     fingerprint: ArgumentsFingerprint | str = "json",
     codec: Codec | None = None,
     quota: Quota | None = None,
+    integrity_key: bytes | Sequence[bytes] | None = None,
 ) -> Callable[[Callable[P, R]], IdempotentFunction[P, R]]:
     """Make a function run once per key, with the store and guarantees of HTTP idempotency.
 
@@ -324,7 +369,11 @@ def idempotent_function(
     argument JSON cannot encode is a TypeError), a function of the arguments, or None
     (nothing: the key alone). ``codec`` stores results (default :class:`JSONCodec`).
     ``quota`` caps this function's stored bytes as a caller scope's (default:
-    IdempotencyMiddleware's).
+    IdempotencyMiddleware's); a call's claim reserves ``policy.max_stored`` bytes of it
+    before the function runs, and a full quota raises QuotaFullError instead of running
+    it. ``integrity_key`` (as IdempotencyMiddleware's: 16+ bytes the store never sees, a
+    list rolls keys) signs stored results, and a stored result that fails its check
+    raises IntegrityError instead of being returned.
 
     Async functions run on the caller's event loop with ``pool``, which may be the
     app's. A sync function's pool runs on a background loop of its own (as the WSGI
@@ -343,6 +392,11 @@ def idempotent_function(
             f"fingerprint must be 'json', a function or None, got {fingerprint!r}"
         )
     chosen_codec = codec if codec is not None else JSONCodec()
+    chosen_policy = policy if policy is not None else IdempotencyPolicy()
+    chosen_quota = quota if quota is not None else DEFAULT_QUOTA
+    # Every call reserves max_stored bytes before it runs: each cap must hold one.
+    check_quota(chosen_quota, chosen_policy.max_stored)
+    integrity = None if integrity_key is None else IntegrityKeys(integrity_key)
 
     def decorate(func: Callable[P, R]) -> IdempotentFunction[P, R]:
         if not callable(func):
@@ -360,9 +414,10 @@ def idempotent_function(
             name=chosen,
             key=key,
             fingerprint=fingerprint,
-            policy=policy if policy is not None else IdempotencyPolicy(),
+            policy=chosen_policy,
             codec=chosen_codec,
-            quota=quota if quota is not None else DEFAULT_QUOTA,
+            quota=chosen_quota,
+            integrity=integrity,
         )
 
     return decorate

@@ -2,7 +2,8 @@
 
 One execution per key however many calls race on both pools, every duplicate gets
 the first result, a call that raises stores nothing, a wait is bounded, a killed
-holder's key is taken over, and a sync function runs on its pool's own loop.
+holder's key is taken over, a sync function runs on its pool's own loop, and a call
+reserves room for its result before it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from porch import (
     KeyInProgressError,
     KeyPool,
     KeyReusedError,
+    Quota,
+    QuotaFullError,
     idempotent_function,
 )
 from porch.idempotency import IdempotentFunction
@@ -174,3 +177,24 @@ async def test_a_sync_function_runs_once_on_its_own_loop(backend: Backend) -> No
             await asyncio.to_thread(sync, 7, 900)
     finally:
         await asyncio.to_thread(sync.close)
+
+
+async def test_a_call_reserves_room_for_its_result_before_it_runs(backend: Backend) -> None:
+    """As a keyed request's claim: a call whose result could not be stored (the quota is
+    full of other calls' reservations, on any host) is refused before it runs."""
+    one, other = await backend.pool(), await backend.pool()
+    policy = IdempotencyPolicy(max_stored=1_000)
+    quota = Quota(scope_bytes=1_500, client_bytes=1_500, total_bytes=1 << 20)
+    handler = Counted()
+    handler.gate = asyncio.Event()
+    running = asyncio.ensure_future(on(one, handler, policy=policy, quota=quota)({"id": "r-1"}))
+    await until(lambda: handler.runs, "the first call runs")
+    second = on(other, handler, policy=policy, quota=quota)
+    with pytest.raises(QuotaFullError) as refused:
+        await asyncio.wait_for(second({"id": "r-2"}), WITHIN)
+    assert refused.value.bucket == "scope"
+    assert handler.runs == ["r-1"]  # the refused call never ran
+    handler.gate.set()
+    assert await asyncio.wait_for(running, WITHIN) == {"id": "r-1", "run": 1}
+    # Its small result replaced its reservation: the other call fits now.
+    assert await asyncio.wait_for(second({"id": "r-2"}), WITHIN) == {"id": "r-2", "run": 2}
