@@ -150,7 +150,8 @@ class Capture:
     that received a complete response can always have it replayed, even if the
     process dies the next instant. A copy that grows past one part of the store's
     PartStore goes there part by part as it comes (``held``: the bytes kept here
-    meanwhile, at most a part and a chunk), so memory does not grow with the body.
+    meanwhile, at most a part and a chunk, besides the part being written), so
+    memory does not grow with the body.
     """
 
     __slots__ = (
@@ -178,6 +179,7 @@ class Capture:
         "start",
         "status",
         "token",
+        "writing",
     )
 
     def __init__(
@@ -215,6 +217,7 @@ class Capture:
         self.count = 0  # parts written
         self.length = 0  # bytes in them
         self.mac: BodyMac | None = None
+        self.writing: asyncio.Future[None] | None = None  # the part being written
 
     def report(self, response: StoredResponse | None) -> asyncio.Future[Report]:
         self.reported = True
@@ -269,7 +272,12 @@ class Capture:
         await self.send(message)
 
     async def _write_parts(self, parts: PartStore, *, final: bool) -> None:
-        """Write what is held as whole parts (``final``: the rest too, as the last part)."""
+        """Write what is held as whole parts (``final``: the rest too, as the last part,
+        and wait until every part is written).
+
+        One part is written while the app goes on: a part's write is awaited only before
+        the next one starts (or, at the end, before the body is kept), so the app
+        produces the next part while the store takes this one."""
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks.clear()
         self.held = 0
@@ -281,27 +289,44 @@ class Capture:
         size = parts.part_bytes
         view = memoryview(data)
         start = 0
-        try:
-            while len(data) - start >= size or (final and start < len(data)):
-                whole = start == 0 and len(data) <= size
-                piece = data if whole else bytes(view[start : start + size])
-                await parts.write(self.key, self.body, self.count, piece)
-                if self.mac is not None:
-                    self.mac.update(piece)
-                self.count += 1
-                self.length += len(piece)
-                start += len(piece)
-        except StoreError as exc:
-            self.failed = True
-            self._drop_parts()
-            self._not_stored(exc)
-            return
-        if start < len(data):
+        while len(data) - start >= size or (final and start < len(data)):
+            whole = start == 0 and len(data) <= size
+            piece = data if whole else bytes(view[start : start + size])
+            if not await self._written():
+                return
+            self.writing = asyncio.ensure_future(
+                parts.write(self.key, self.body, self.count, piece)
+            )
+            if self.mac is not None:
+                self.mac.update(piece)
+            self.count += 1
+            self.length += len(piece)
+            start += len(piece)
+        if final:
+            await self._written()
+        elif start < len(data):
             rest = data[start:]
             self.chunks.append(rest)
             self.held = len(rest)
 
+    async def _written(self) -> bool:
+        """Wait for the part being written; False (nothing more is stored) if it failed."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            try:
+                await writing
+            except StoreError as exc:
+                self.failed = True
+                self._drop_parts()
+                self._not_stored(exc)
+        return not self.failed
+
     def _drop_parts(self) -> None:
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            # Left to finish (a part written after the drop is an orphan: its grace
+            # takes it); its outcome is nobody's.
+            writing.add_done_callback(_retrieve)
         if self.body and self.parts is not None:
             self.parts.drop(self.key, self.body)
         self.body = 0
@@ -392,3 +417,8 @@ class Capture:
             self.abandon()
             return None
         return StoredResponse(self.digest, self.status, headers, b"", ref)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
