@@ -184,3 +184,25 @@ async def test_purge_recomputes_the_byte_totals_from_the_rows(
         assert (await store.admin().check()).problems == ()
     finally:
         await store.close()
+
+
+async def test_purge_deletes_the_bodies_no_longer_kept(postgres_url: str, schema: str) -> None:
+    # A body whose owner died mid-stream goes with the next upload's sweep, or now.
+    store = PostgresStore(postgres_url, schema=schema, part_grace=0.3)
+    await store.open()
+    try:
+        parts = store.capabilities.parts
+        assert parts is not None
+        await parts.write("k", 11, 0, b"x" * 100)
+        await parts.write("k", 11, 1, b"y" * 100)
+        conn = await asyncpg.connect(postgres_url)
+        try:
+            count = f'SELECT count(*) FROM "{schema}".parts'
+            assert await conn.fetchval(count) == 2
+            await asyncio.sleep(0.5)  # past its grace, on the server's clock
+            await store.admin().purge()
+            assert await conn.fetchval(count) == 0
+        finally:
+            await conn.close()
+    finally:
+        await store.close()

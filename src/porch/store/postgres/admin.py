@@ -190,6 +190,11 @@ class PostgresAdmin:
                     f"SELECT {s}.prune_claims_v1({_NOW} - 60, $1, NULL, NULL, NULL, 2147483647)",
                     slot,
                 )
+                # Bodies streamed in parts that are no longer kept (their parts go with them).
+                await conn.execute(
+                    f"DELETE FROM {s}.bodies WHERE id IN (SELECT id FROM {s}.bodies"
+                    f" WHERE expires < {_NOW} FOR UPDATE SKIP LOCKED)"
+                )
                 # The byte totals recomputed from the rows, through this slot: what hosts of
                 # an earlier porch (apply_v2) removed without taking off its client's.
                 for statement in _REPAIRS:
