@@ -36,21 +36,21 @@ from _stores import Postgres
 Call = Callable[[], Awaitable[Any]]
 
 # hits_v2's arguments (store/postgres/hits.py): keys, then per limit its key, amount and
-# window (tags, bursts, deltas and stamps empty: fixed windows), per hit its first limit,
-# multiplicity and cost; the prune bound; no test clock.
+# window (tags, bursts, deltas and stamps NULL: fixed windows), per hit its first limit and
+# multiplicity (costs NULL: one unit); the prune bound; no test clock.
 _HOT = (
     ["rl\x1fr\x1f1000000000-per-60s\x1f10.0.0.1"],
-    [1], [10**9], [60.0], [], [], [], [], [1], [16], [1], 64, None,
+    [1], [10**9], [60.0], None, None, None, None, [1], [16], None, 64, None,
 )  # fmt: skip
 _SPREAD = (
     [f"rl\x1fr\x1f1000000000-per-60s\x1f10.0.1.{i}" for i in range(16)],
     list(range(1, 17)),
     [10**9] * 16,
     [60.0] * 16,
-    [], [], [], [],
+    None, None, None, None,
     list(range(1, 17)),
     [1] * 16,
-    [1] * 16,
+    None,
     64,
     None,
 )  # fmt: skip

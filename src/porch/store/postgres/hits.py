@@ -135,13 +135,13 @@ def decide_counters(op: str) -> str:
     """
     return (
         r"""
-    IF cardinality(ltags) = 0 AND cardinality(ldeltas) = 0 THEN
+    IF ltags IS NULL AND ldeltas IS NULL THEN
     -- Fixed windows only, hits only (the common batch): the general loop below, less
     -- what it does for other algorithms and settles, in fewer statements a limit.
     FOR h IN 1 .. nc LOOP
         a := cstart[h];
         b := CASE WHEN h < nc THEN cstart[h + 1] - 1 ELSE nl END;
-        xc := ccost[h];
+        xc := coalesce(ccost[h], 1);
         xk := cmult[h];
         ns := '{}'; ss := '{}';
         FOR j IN a .. b LOOP
@@ -200,7 +200,7 @@ def decide_counters(op: str) -> str:
             END LOOP;
             CONTINUE;
         END IF;
-        xc := ccost[h];
+        xc := coalesce(ccost[h], 1);
         xk := cmult[h];  -- how many of the alike hits fit every limit, in turn
         ns := '{}'; ps := '{}'; ss := '{}';
         FOR j IN a .. b LOOP"""
@@ -309,9 +309,10 @@ class CounterArrays:
     then per limit the number of its key, its amount, window, algorithm tag and
     burst, and for a settle its delta and stamp; per counter op its first limit,
     its multiplicity (m alike hits sent as one; 0: a settle) and its cost. Tags,
-    bursts, deltas and stamps stay empty until an op needs them (the server reads
-    a missing entry as fixed, the amount, nothing): a fixed-window batch sends
-    only what it did before.
+    bursts, deltas, stamps and costs are sent as NULL until an op needs them (the
+    server reads a missing entry as fixed, the amount, nothing, one unit): a batch
+    of one-unit fixed-window hits sends what it did before the policies (each
+    array more costs the event loop about a microsecond a call in asyncpg).
     """
 
     __slots__ = (
@@ -339,16 +340,17 @@ class CounterArrays:
         self.lstamps: list[float | None] = []
         self.cstart: list[int] = []
         self.cmult: list[int] = []
-        self.ccost: list[int] = []
+        self.ccost: list[int | None] = []
 
     def add(self, op: Hit | Settle, multiplicity: int) -> None:
         """Add a hit (standing for ``multiplicity`` alike hits) or a settle (0)."""
         lidx = self.lidx
         ukeys = self.ukeys
         first = len(lidx)
+        if type(op) is Hit and op.cost != 1:
+            _extend(self.ccost, len(self.cstart), (op.cost,))
         self.cstart.append(first + 1)
         self.cmult.append(multiplicity)
-        self.ccost.append(op.cost if type(op) is Hit else 0)
         for key, amount, window in zip(op.keys, op.amounts, op.windows, strict=True):
             lidx.append(ukeys.setdefault(key, len(ukeys) + 1))
             self.lamounts.append(amount)
@@ -364,8 +366,9 @@ class CounterArrays:
     def arguments(self) -> list[Any]:
         """The counter step's eleven arguments, in order."""
         return [
-            list(self.ukeys), self.lidx, self.lamounts, self.lwindows, self.ltags,
-            self.lbursts, self.ldeltas, self.lstamps, self.cstart, self.cmult, self.ccost,
+            list(self.ukeys), self.lidx, self.lamounts, self.lwindows, self.ltags or None,
+            self.lbursts or None, self.ldeltas or None, self.lstamps or None, self.cstart,
+            self.cmult, self.ccost or None,
         ]  # fmt: skip
 
 
