@@ -34,6 +34,7 @@ def test_public_surface_is_pinned() -> None:
             "Mailbox",
             "MailboxStatistics",
             "ManualClock",
+            "Plans",
             "PolicyState",
             "PoolClosedError",
             "PoolStatistics",

@@ -12,7 +12,7 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from porch import ConfigurationError, IdempotencyPolicy, KeyPool, SQLiteStore
+from porch import ConfigurationError, IdempotencyPolicy, KeyPool, Limit, Plans, SQLiteStore
 from porch.integrations.fastapi import (
     Idempotency,
     RateLimit,
@@ -21,6 +21,7 @@ from porch.integrations.fastapi import (
     install,
     limit,
 )
+from porch.ratelimit import CostRequest, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -531,3 +532,69 @@ async def test_a_route_limit_takes_an_async_key_function(pool: KeyPool) -> None:
         b = (await c.get("/reports", headers={"x-api-key": "b"})).status_code
     assert a == [200, 429]
     assert b == 200
+
+
+async def test_a_dependency_reserves_tokens_and_the_endpoint_settles_them(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    # An LLM-style budget: the request's max_tokens reserved, what it used settled.
+    app = FastAPI()
+
+    async def max_tokens(request: CostRequest) -> int:
+        return int((await request.json())["max_tokens"])
+
+    budget = RateLimit("100/minute", name="tokens", key=by_api_key, cost=max_tokens, settle=True)
+
+    @app.post("/completions", dependencies=[Depends(budget)])
+    async def complete(request: Request, body: dict[str, Any]) -> dict[str, int]:
+        used = min(body["max_tokens"], len(body["prompt"].split()))
+        settle(request, used)
+        return {"tokens": used}
+
+    install(app, pool)
+    key = {"x-api-key": "a"}
+    async with client(app) as c:
+        first = await c.post(
+            "/completions", json={"prompt": "a b c", "max_tokens": 60}, headers=key
+        )
+        second = await c.post("/completions", json={"prompt": "d", "max_tokens": 90}, headers=key)
+        third = await c.post("/completions", json={"prompt": "e", "max_tokens": 97}, headers=key)
+    assert (first.status_code, first.json()) == (200, {"tokens": 3})
+    assert first.headers["ratelimit"] == '"100-per-60s";r=40;t=60'  # told at the reservation
+    assert (second.status_code, second.json()) == (200, {"tokens": 1})  # 3 + 90 <= 100
+    assert third.status_code == 429  # 3 + 1 + 97 > 100
+    assert counters(tmp_path) == {"rl\x1ftokens\x1f100-per-60s\x1fkey:a": 4}
+
+
+async def test_a_dependency_counts_levels_and_plans(pool: KeyPool, tmp_path: Path) -> None:
+    app = FastAPI()
+
+    def plan_of(scope: Any) -> str | None:
+        return "pro" if by_api_key(scope) == "key:p" else None
+
+    limit = RateLimit(
+        ["1/minute", Limit(3, 60, name="everyone", level="global")],
+        name="api",
+        key=by_api_key,
+        plans=Plans(
+            {"pro": ["2/minute", Limit(3, 60, name="everyone", level="global")]}, plan=plan_of
+        ),
+    )
+
+    @app.get("/things", dependencies=[Depends(limit)])
+    async def things() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    async with client(app) as c:
+        pro = [(await c.get("/things", headers={"x-api-key": "p"})).status_code for _ in range(3)]
+        free = await c.get("/things", headers={"x-api-key": "f"})
+        over = await c.get("/things", headers={"x-api-key": "g"})
+    assert pro == [200, 200, 429]
+    assert free.status_code == 200  # the third of everyone's three
+    assert (over.status_code, over.json()["level"]) == (429, "global")
+    assert counters(tmp_path) == {
+        "rl\x1fapi\x1fper-60s\x1fkey:p": 2,
+        "rl\x1fapi\x1fper-60s\x1fkey:f": 1,
+        "rl\x1fapi\x1feveryone\x1f": 3,
+    }

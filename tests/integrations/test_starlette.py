@@ -18,6 +18,7 @@ from starlette.routing import Mount, Route
 
 from porch import ConfigurationError, KeyPool, RateLimitMiddleware, Rule, SQLiteStore
 from porch.integrations.starlette import RateLimitExceeded, idempotent, install, limit
+from porch.ratelimit import CostRequest, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -79,7 +80,7 @@ async def test_a_route_template_is_limited_with_headers_and_the_middlewares_body
     assert refused.headers["retry-after"] == "60"
     assert refused.headers["content-type"] == "application/problem+json"
     assert refused.json()["violated"] == [
-        {"policy": "2-per-60s", "limit": 2, "window": 60.0, "reset_after": 60}
+        {"policy": "2-per-60s", "level": "client", "limit": 2, "window": 60.0, "reset_after": 60}
     ]
     assert counters(tmp_path) == {
         f"rl\x1froute:POST:/users/{{id}}/follow\x1f2-per-60s\x1f{PEER}": 2
@@ -417,3 +418,26 @@ async def test_a_route_limit_declared_switched_off(pool: KeyPool) -> None:
     assert install(app, pool) == 1
     async with client(app) as c:
         assert [(await c.get("/hi")).status_code for _ in range(3)] == [200] * 3
+
+
+async def test_a_decorated_endpoint_reserves_its_pages_and_settles_what_it_used(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    def pages(request: CostRequest) -> int:
+        return int(request.scope["query_string"].decode().removeprefix("pages="))
+
+    @limit("10/minute", cost=pages, settle=True)
+    async def export(request: Request) -> Response:
+        used = int(request.query_params["pages"]) // 2  # half of them were empty
+        assert settle(request, used)
+        return PlainTextResponse(f"exported {used}")
+
+    app = Starlette(routes=[Route("/export", export)])
+    install(app, pool)
+    async with client(app) as c:
+        first = await c.get("/export?pages=8")  # 8 reserved, 4 used
+        second = await c.get("/export?pages=4")  # 4 + 4 <= 10; 2 used
+        third = await c.get("/export?pages=5")  # 4 + 2 + 5 > 10
+    assert [first.status_code, second.status_code, third.status_code] == [200, 200, 429]
+    assert first.headers["x-ratelimit-remaining"] == "2"  # told at the reservation
+    assert counters(tmp_path) == {f"rl\x1froute:GET:/export\x1f10-per-60s\x1f{PEER}": 6}

@@ -98,9 +98,11 @@ async def test_a_cap_lets_that_many_in_and_refuses_the_next_with_retry_after_1(
     assert refused.headers["retry-after"] == "1"
     assert refused.headers["ratelimit-policy"] == '"in-flight";q=2;qu="concurrent-requests"'
     assert refused.headers["ratelimit"] == '"in-flight";r=0;t=1'
+    assert refused.json()["level"] == "client"
     assert refused.json()["violated"] == [
         {
             "policy": "in-flight",
+            "level": "client",
             "limit": 2,
             "unit": "concurrent-requests",
             "remaining": 0,

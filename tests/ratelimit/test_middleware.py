@@ -70,7 +70,10 @@ async def test_headers_count_down_then_429_with_problem_body(pool: KeyPool) -> N
     assert refused.headers["content-type"] == "application/problem+json"
     body = refused.json()
     assert body["status"] == 429
-    assert body["violated"] == [{"policy": "api", "limit": 3, "window": 60.0, "reset_after": 60}]
+    assert body["violated"] == [
+        {"policy": "api", "level": "client", "limit": 3, "window": 60.0, "reset_after": 60}
+    ]
+    assert body["level"] == "client"
     assert "x-app" not in refused.headers
 
 
@@ -96,7 +99,7 @@ async def test_a_gcra_limit_reports_its_bucket_and_when_a_unit_comes_back(
         refused = responses[3]
         assert refused.headers["retry-after"] == "10"
         assert refused.json()["violated"] == [
-            {"policy": "b", "limit": 3, "window": 30.0, "reset_after": 10}
+            {"policy": "b", "level": "client", "limit": 3, "window": 30.0, "reset_after": 10}
         ]
         clock.advance(10.0)
         again = await c.get("/x")

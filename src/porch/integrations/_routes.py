@@ -11,7 +11,7 @@ route are counted: a 404, a 405 or a trailing-slash redirect never is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +33,7 @@ from ..ratelimit._middleware import (
     RefusalFactory,
     default_refusal,
 )
-from ..ratelimit._rules import Limit, Rule
+from ..ratelimit._rules import CostFunc, LevelKey, Limit, Plans, Rule
 from ..store.base import Quota
 
 _logger = logging.getLogger("porch.routes")
@@ -48,21 +48,29 @@ _UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 class RouteLimit:
-    """A rate limit declared on a route: rates (``"5/minute"``, ``"100/day; 10/second"``, or
-    Limits), the client ``key`` (default: the installer's, else the peer host), the counters'
-    ``name`` (default: derived from the route's methods and path template), ``exempt``
-    predicates (see :class:`~porch.RateLimitMiddleware`), and ``enabled`` (False: the
-    route runs unlimited, as with the middleware's off switch; it may be set later)."""
+    """A rate limit declared on a route: rates (``"5/minute"``, ``"10/minute sliding"``,
+    ``"100/day; 10/second"``, or Limits), the client ``key`` (default: the installer's, else
+    the peer host), the counters' ``name`` (default: derived from the route's methods and
+    path template), ``exempt`` predicates (see :class:`~porch.RateLimitMiddleware`), and
+    ``enabled`` (False: the route runs unlimited, as with the middleware's off switch; it
+    may be set later). ``cost``, ``settle``, ``levels`` and ``plans`` are
+    :class:`~porch.Rule`'s: what a request consumes (a function of the request too),
+    whether the handler settles it (:func:`porch.ratelimit.settle`), the keys of
+    levels other than the client's, and limits per plan."""
 
     __slots__ = (
+        "cost",
         "dry_run",
         "enabled",
         "exempt",
         "fail_open",
         "key",
+        "levels",
         "limits",
         "log",
         "name",
+        "plans",
+        "settle",
         "shared",
     )
 
@@ -77,9 +85,15 @@ class RouteLimit:
         fail_open: bool = False,
         exempt: Exemption | Iterable[Exemption] = (),
         enabled: bool = True,
+        cost: int | CostFunc = 1,
+        settle: bool = False,
+        levels: Mapping[str, LevelKey] | None = None,
+        plans: Plans | None = None,
     ) -> None:
         # Validated now, where it is declared (the rule is rebuilt for its route on install).
-        rule = Rule(rate, name=name, shared=shared)
+        rule = Rule(
+            rate, name=name, shared=shared, cost=cost, settle=settle, levels=levels, plans=plans
+        )
         if shared and name is None:
             raise ConfigurationError("a shared route limit needs a name= to share")
         if key is not None and not callable(key):
@@ -91,6 +105,10 @@ class RouteLimit:
                     f"a route limit's exempt= takes predicates (callables), got {predicate!r}"
                 )
         self.limits = rule.limits
+        self.cost = rule.cost
+        self.settle = rule.settle
+        self.levels = rule.levels
+        self.plans = rule.plans
         self.key = key
         self.name = name
         self.shared = bool(shared)
@@ -389,6 +407,13 @@ class _Guard:
                 declared_limit.dry_run,
                 declared_limit.fail_open,
                 tuple(map(id, declared_limit.exempt)),
+                # A cost, a settle, levels and plans are the rule's: only alike ones merge.
+                declared_limit.cost
+                if isinstance(declared_limit.cost, int)
+                else id(declared_limit.cost),
+                declared_limit.settle,
+                tuple((level, id(key)) for level, key in declared_limit.levels),
+                id(declared_limit.plans),
             )
             groups.setdefault(group, []).append(declared_limit)
         for i, (group, members) in enumerate(reversed(list(groups.items()))):
@@ -411,6 +436,10 @@ class _Guard:
                 name=first.name,
                 shared=first.shared,
                 websocket=websocket,
+                cost=first.cost,
+                settle=first.settle,
+                levels=dict(first.levels),
+                plans=first.plans,
             )
             if whole:
                 self._names[group] = (rule.name, rule.signature())

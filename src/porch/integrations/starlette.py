@@ -24,7 +24,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
@@ -40,7 +40,7 @@ from ..identity import KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle, Refusal, check_header_style
 from ..ratelimit._middleware import Exemption, RefusalFactory
-from ..ratelimit._rules import Limit
+from ..ratelimit._rules import CostFunc, LevelKey, Limit, Plans
 from ..store.base import Quota
 from ._routes import (
     GUARDS,
@@ -99,13 +99,19 @@ def limit(
     fail_open: bool = False,
     exempt: Exemption | Iterable[Exemption] = (),
     enabled: bool = True,
+    cost: int | CostFunc = 1,
+    settle: bool = False,
+    levels: Mapping[str, LevelKey] | None = None,
+    plans: Plans | None = None,
 ) -> Callable[[E], E]:
     """Declare a rate limit on an endpoint (function or endpoint class; HTTP or WebSocket).
 
     Several rates in one declaration (``"100/day; 10/second"``) are one rule,
     checked all-or-nothing; so are several ``@limit`` with the same key and options.
     ``exempt``: predicates on the request's scope (sync or async) that exempt it;
-    ``enabled=False`` declares the limit switched off.
+    ``enabled=False`` declares the limit switched off. ``cost``, ``settle``, ``levels``
+    and ``plans`` are :class:`~porch.Rule`'s (a cost per request, settled by the handler
+    with :func:`porch.ratelimit.settle`; keys of other levels; limits per plan).
     """
     declaration = RouteLimit(
         rate,
@@ -116,6 +122,10 @@ def limit(
         fail_open=fail_open,
         exempt=exempt,
         enabled=enabled,
+        cost=cost,
+        settle=settle,
+        levels=levels,
+        plans=plans,
     )
     return functools.partial(_declare, declaration)
 

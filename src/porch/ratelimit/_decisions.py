@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 from ..errors import ConfigurationError
 from ..store.base import Algorithm, Hit
 from ._refusals import Remembered
-from ._rules import Limit, Rule
+from ._rules import CLIENT, GLOBAL, Limit, Rule
 
 __all__ = [
     "HEADER_STYLES",
@@ -23,6 +23,7 @@ __all__ = [
     "Refusal",
     "check_header_style",
     "decide",
+    "level_key",
     "remembered_hit",
 ]
 
@@ -45,7 +46,8 @@ def check_header_style(headers: object) -> None:
 class PolicyState:
     """One limit's state after a decision (the policy a client is told: ``limit`` units per
     ``window`` seconds; for gcra its burst per full refill; for a concurrency cap,
-    ``limit`` requests in flight, ``window`` 0 and ``unit`` ``"concurrent-requests"``)."""
+    ``limit`` requests in flight, ``window`` 0 and ``unit`` ``"concurrent-requests"``) and
+    the level it counts under."""
 
     name: str
     limit: int
@@ -53,6 +55,7 @@ class PolicyState:
     remaining: int
     reset_after: int  # whole seconds until more units are available, >= 1
     unit: str = "requests"
+    level: str = CLIENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +68,36 @@ class Refusal:
     retry_after: int
     headers: tuple[tuple[bytes, bytes], ...] = ()
 
+    @property
+    def level(self) -> str:
+        """The level that refused: the first violated policy's (``"client"``, ``"global"``,
+        or a level the rule declares)."""
+        return self.violated[0].level if self.violated else CLIENT
+
 
 class CompiledRule:
-    """A rule with everything per-request precomputed (header bytes included)."""
+    """A rule with everything per-request precomputed (header bytes included).
+
+    A rule with plans has one per plan (``variants``), and one per set of levels a
+    request leaves out (``subset``); each counts the rule's limits it holds.
+    """
 
     __slots__ = (
         "algorithms",
         "amounts",
         "bursts",
         "caps",
+        "chosen",
         "counters",
+        "level_keys",
+        "level_names",
+        "levels",
         "limit_bytes",
         "limit_header",
         "limits",
         "names",
+        "plain",
+        "plan",
         "policy_header",
         "policy_pair",
         "prefixes",
@@ -92,16 +111,26 @@ class CompiledRule:
         "spans",
         "status_prefixes",
         "style",
+        "subsets",
+        "variants",
         "windows",
     )
 
-    def __init__(self, rule: Rule, headers: HeaderStyle = "both") -> None:
+    def __init__(
+        self,
+        rule: Rule,
+        headers: HeaderStyle = "both",
+        limits: tuple[Limit, ...] | None = None,
+        plan: str | None = None,
+    ) -> None:
         self.rule = rule
         self.style: HeaderStyle = headers
         # (allowed, refused) metric counters, bound once when metrics are configured.
         self.counters: tuple[Any, Any] | None = None
-        limits = rule.limits
+        own = limits is None
+        limits = rule.limits if limits is None else limits
         self.limits: tuple[Limit, ...] = limits
+        self.plan = plan  # the plan whose limits these are (None: the rule's own)
         self.amounts = tuple(limit.amount for limit in limits)
         self.windows = tuple(float(limit.window) for limit in limits)
         # What a Hit carries: None when every limit is a fixed window (the stores' fast
@@ -110,6 +139,20 @@ class CompiledRule:
         self.algorithms = None if all(a == "fixed" for a in every) else every
         bursts = tuple(limit.burst for limit in limits)
         self.bursts = None if bursts == self.amounts else bursts
+        self.levels = tuple(limit.level for limit in limits)
+        # Each level once, in order: the keys a request's hit needs.
+        self.level_names = tuple(dict.fromkeys(self.levels))
+        self.level_keys = dict(rule.levels)  # the declared levels' key functions
+        # Today's shape: one key (the client's), one unit, nothing to settle, no plans, no
+        # concurrency caps. The middleware's hot path takes only these; the rest, _policy.
+        self.plain = (
+            type(rule.cost) is int
+            and rule.cost == 1
+            and not rule.settle
+            and rule.plans is None
+            and not rule.concurrency
+            and self.level_names == (CLIENT,)
+        )
         # The policy each limit announces: q units per w seconds (gcra: its burst per
         # full refill, ceil(B * T)).
         self.quotas = tuple(
@@ -133,7 +176,8 @@ class CompiledRule:
         self.prefixes = tuple(f"rl\x1f{rule.name}\x1f{limit.name}\x1f" for limit in limits)
         self.limit_bytes = tuple(str(q).encode("ascii") for q in self.quotas)
         self.status_prefixes = tuple(f'"{limit.name}";r='.encode("ascii") for limit in limits)
-        # Concurrency caps (Concurrency): a slot key per cap, taken with the hit.
+        # Concurrency caps (Concurrency): a slot key per cap, taken with the hit; the
+        # client's, whatever the plan or the levels.
         concurrency = rule.concurrency
         self.slot_names = tuple(cap.name for cap in concurrency)
         self.slot_caps = tuple(cap.amount for cap in concurrency)
@@ -151,6 +195,16 @@ class CompiledRule:
         # The two headers that never change for a one-limit rule, built once.
         self.limit_header = (b"x-ratelimit-limit", self.limit_bytes[0] if limits else b"")
         self.policy_pair = (b"ratelimit-policy", self.policy_header)
+        # A rule with plans: each plan's limits compiled alike, by plan name.
+        self.variants: dict[str, CompiledRule] = {}
+        if own and rule.plans is not None:
+            self.variants = {
+                name: CompiledRule(rule, headers, found, name) for name, found in rule.plans.plans
+            }
+        # What was compiled for the levels a request left out, by the levels kept.
+        self.subsets: dict[tuple[bool, ...], CompiledRule | None] = {}
+        # A rule with plans: each client's plan and until when it holds (monotonic s).
+        self.chosen: dict[str, tuple[CompiledRule, float]] = {}
 
     def hit(self, keys: list[str], cost: int = 1, slots: list[str] | None = None) -> Hit:
         """A hit of ``cost`` units on ``keys`` (one per limit) under this rule, taking a slot
@@ -167,6 +221,31 @@ class CompiledRule:
             slots,
             self.slot_caps,
         )
+
+    def subset(self, kept: tuple[bool, ...]) -> CompiledRule | None:
+        """This rule's limits for a request some of whose levels do not apply (``kept``, per
+        limit); None when none is left."""
+        found = self.subsets.get(kept, self)
+        if found is self:
+            limits = tuple(limit for limit, keep in zip(self.limits, kept, strict=True) if keep)
+            found = (
+                CompiledRule(self.rule, self.style, limits, self.plan)
+                if limits or self.slot_caps
+                else None
+            )
+            if found is not None:
+                found.counters = self.counters
+            self.subsets[kept] = found
+        return found
+
+
+def level_key(level: str, client: str) -> str | None:
+    """The key of a built-in level for a request of ``client`` (None: a declared level)."""
+    if level == CLIENT:
+        return client
+    if level == GLOBAL:
+        return ""  # everyone: the constant empty client
+    return None
 
 
 def remembered_hit(
@@ -250,7 +329,14 @@ def decide(
     retry_after = max(max(t[j], _ceil(min(hit.retry[j], caps[j])) or 1) for j in violated)
     headers.append((b"retry-after", b"%d" % retry_after))
     policies = tuple(
-        PolicyState(compiled.names[j], compiled.quotas[j], compiled.spans[j], remaining[j], t[j])
+        PolicyState(
+            compiled.names[j],
+            compiled.quotas[j],
+            compiled.spans[j],
+            remaining[j],
+            t[j],
+            level=compiled.levels[j],
+        )
         for j in violated
     )
     return headers, Refusal(client, policies, retry_after, tuple(headers))
@@ -303,10 +389,19 @@ def _decide_holding(
         [max(t[j], _ceil(min(hit.retry[j], caps[j])) or 1) for j in rates] + [1] * bool(full)
     )
     headers.append((b"retry-after", b"%d" % retry_after))
+    levels = compiled.levels
     policies = tuple(
-        PolicyState(compiled.names[j], compiled.quotas[j], compiled.spans[j], remaining[j], t[j])
+        PolicyState(
+            compiled.names[j],
+            compiled.quotas[j],
+            compiled.spans[j],
+            remaining[j],
+            t[j],
+            level=levels[j],
+        )
         for j in rates
     ) + tuple(
+        # A cap counts the client's requests in flight: the client's level.
         PolicyState(compiled.slot_names[k], slot_caps[k], 0.0, free[k], 1, "concurrent-requests")
         for k in full
     )

@@ -31,7 +31,8 @@ from ..errors import (
 from ..identity import ClientIdentity, KeyFunc
 from ..pool._pool import KeyPool
 from ..pool._shard import Call, Shard
-from ..store.base import Hit, StoreOp, Vacate
+from ..store.base import Hit, Settle, StoreOp, Vacate
+from ._costs import RESERVATIONS, Reservation
 from ._decisions import CompiledRule as _CompiledRule
 from ._decisions import (
     HeaderStyle,
@@ -41,7 +42,8 @@ from ._decisions import (
     decide,
     remembered_hit,
 )
-from ._refusals import RefusalMemory, Remembered
+from ._policies import Resolved, resolve
+from ._refusals import RefusalMemory
 from ._rules import Rule
 
 __all__ = ["Exemption", "PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
@@ -55,16 +57,25 @@ Exemption = Callable[[Scope], bool | Awaitable[bool]]
 
 
 def default_refusal(scope: Scope, refusal: Refusal) -> ASGIApp:
-    """A 429 ``application/problem+json`` body listing the violated policies (a concurrency
-    cap's with ``"unit": "concurrent-requests"``)."""
+    """A 429 ``application/problem+json`` body naming the level that refused and listing the
+    violated policies, each with its level (a concurrency cap's with ``"unit":
+    "concurrent-requests"``)."""
     return problem(
         429,
         f"rate limit exceeded; retry in {refusal.retry_after} s",
+        level=refusal.level,
         violated=[
-            {"policy": p.name, "limit": p.limit, "window": p.window, "reset_after": p.reset_after}
+            {
+                "policy": p.name,
+                "level": p.level,
+                "limit": p.limit,
+                "window": p.window,
+                "reset_after": p.reset_after,
+            }
             if p.unit == "requests"
             else {
                 "policy": p.name,
+                "level": p.level,
                 "limit": p.limit,
                 "unit": p.unit,
                 "remaining": p.remaining,
@@ -93,6 +104,21 @@ class _HitCall(Call):
     def finish(self, shard: Shard) -> None:
         if not self.future.done():
             self.future.set_result(self.hit)
+
+
+class _SettleCall(Call):
+    __slots__ = ("settle",)
+
+    def __init__(self, future: asyncio.Future[None], settle: Settle) -> None:
+        self.future = future
+        self.settle = settle
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        ops.append(self.settle)
+
+    def finish(self, shard: Shard) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 class _VacateCall(Call):
@@ -178,7 +204,7 @@ class RateLimitMiddleware:
                     f"rule {r.name!r}: concurrency limit {r.concurrency[0].name!r} needs a store"
                     f" that takes concurrency slots; {type(pool.store).__name__} does not"
                 )
-            for limit in r.limits:
+            for limit in r.every_limit():
                 if limit.algorithm not in offered:
                     raise ConfigurationError(
                         f"rule {r.name!r}: limit {limit.name!r} uses {limit.algorithm!r}, which"
@@ -231,6 +257,8 @@ class RateLimitMiddleware:
         if metrics is not None:
             for compiled in self._rules:
                 compiled.counters = metrics.ratelimit(compiled.rule.name)
+                for variant in compiled.variants.values():
+                    variant.counters = compiled.counters
         if clock is None:
             # The store's clock when it decides on one here, so a ManualClock moves both.
             store_clock = pool.store.capabilities.clock
@@ -290,25 +318,14 @@ class RateLimitMiddleware:
             # An async key function (an API key looked up in a database) is awaited.
             client = found if isinstance(found, str) else await found
         except ForwardingHeaderError as exc:
-            # Throttled like every refusal: a flood of forged headers is one line a second.
-            self._log.event(
-                logging.WARNING,
-                ("forwarding",),
-                asyncio.get_running_loop().time(),
-                1.0,
-                "porch: refused a request whose client cannot be identified: %s",
-                exc,
-                rule=compiled.rule.name,
-                outcome="unidentified",
-                status=400,
-            )
-            await _bad_forwarding(exc)(scope, receive, send)
+            await self._unidentified(exc, compiled, scope, receive, send)
+            return
+        if not compiled.plain:
+            # Costs, settles, levels or plans: the general path (this one is today's shape).
+            await self._policy(compiled, client, scope, receive, send)
             return
         prefixes = compiled.prefixes
         keys = [prefixes[0] + client] if len(prefixes) == 1 else [p + client for p in prefixes]
-        if compiled.slot_caps:
-            await self._holding(scope, receive, send, compiled, client, keys)
-            return
         memory = self._memory
         hit: Hit | PorchError | None = None
         if memory is None or not memory.entries:
@@ -375,6 +392,29 @@ class RateLimitMiddleware:
             counters[0].inc()
         await self.app(scope, receive, adding_headers(send, headers) if headers else send)
 
+    async def _unidentified(
+        self,
+        exc: ForwardingHeaderError,
+        compiled: _CompiledRule,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """400 for a request whose client (or a level's key) cannot be identified."""
+        # Throttled like every refusal: a flood of forged headers is one line a second.
+        self._log.event(
+            logging.WARNING,
+            ("forwarding",),
+            asyncio.get_running_loop().time(),
+            1.0,
+            "porch: refused a request whose client cannot be identified: %s",
+            exc,
+            rule=compiled.rule.name,
+            outcome="unidentified",
+            status=400,
+        )
+        await _bad_forwarding(exc)(scope, receive, send)
+
     async def _exempted(self, scope: Scope) -> bool:
         """Whether an exemption predicate exempts the request (the first True wins)."""
         for predicate in self._predicates:
@@ -385,82 +425,152 @@ class RateLimitMiddleware:
                 return True
         return False
 
-    async def _holding(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        compiled: _CompiledRule,
-        client: str,
-        keys: list[str],
+    async def _policy(
+        self, compiled: _CompiledRule, client: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        """A request of a rule with concurrency caps: its hit takes a slot of each, held
-        while the app runs and freed (:class:`Vacate`) before the response's last body
-        chunk leaves — so a client that sends its next request once it has read this
-        response finds the slot free — or when the app raises or the client leaves."""
-        memory = self._memory if keys else None
+        """A request under a rule with a cost, a settle, levels or plans: its plan's limits,
+        each under its level's key, charged its cost; settled after the response."""
+        try:
+            resolved = await resolve(
+                compiled, client, scope, receive, self._clock.monotonic, self._log
+            )
+        except ForwardingHeaderError as exc:  # a level's key function could not say
+            await self._unidentified(exc, compiled, scope, receive, send)
+            return
+        if not isinstance(resolved, Resolved):
+            if resolved is not None:  # the cost cannot be read: 400, 413
+                await resolved(scope, receive, send)
+            return  # (None: the client left while its body was read)
+        receive = resolved.receive
+        variant = resolved.compiled
+        if variant is None:  # no level of the rule applies to this request
+            await self.app(scope, receive, send)
+            return
+        keys, cost, memo = resolved.keys, resolved.cost, resolved.memo
+        # Concurrency caps: a slot of each, the client's, taken with the hit.
+        slots = [p + client for p in variant.slot_prefixes] if variant.slot_caps else None
+        memory = self._memory if keys else None  # (a rule of caps only: nothing to recall)
         hit: Hit | PorchError | None = None
-        recalled: Remembered | None = None
-        while memory is not None:
-            found = memory.recall(keys[0])
-            if not isinstance(found, asyncio.Future):
-                recalled = found
-                break
-            await asyncio.shield(found)
-        if recalled is not None:
-            # A rate limit known to be spent: refused from memory, no slot asked for.
-            clock = self._clock
-            hit = remembered_hit(recalled, keys, compiled, clock.monotonic(), clock.wall())
+        if memory is None:
+            hit = await self._ask_store(keys, variant, client, cost, slots)
         else:
-            slots = [prefix + client for prefix in compiled.slot_prefixes]
-            try:
-                hit = await self._ask_store(keys, compiled, client, slots)
-            finally:
-                if memory is not None:
-                    # Only a rate limit's refusal is remembered: a slot may free at any moment.
-                    if isinstance(hit, Hit) and not hit.allowed and not all(hit.fits):
-                        memory.remember(keys[0], hit)
+            while True:
+                recalled = memory.recall(memo)
+                if not isinstance(recalled, asyncio.Future):
+                    break
+                await asyncio.shield(recalled)  # another request asks the store right now
+            if recalled is not None and recalled.cost <= cost:
+                # A rate limit refused at a cost no higher than this one: this one would
+                # be too (no slot is asked for).
+                clock = self._clock
+                hit = remembered_hit(recalled, keys, variant, clock.monotonic(), clock.wall())
+            else:
+                refunds = memory.refunds
+                try:
+                    hit = await self._ask_store(keys, variant, client, cost, slots)
+                finally:
+                    # Only a rate limit's refusal (a slot may free at any moment), and not
+                    # one decided while a refund was applied (it may predate it).
+                    if (
+                        isinstance(hit, Hit)
+                        and not hit.allowed
+                        and not all(hit.fits)
+                        and memory.refunds == refunds
+                    ):
+                        memory.remember(memo, hit)
                     else:
-                        memory.settle(keys[0])
+                        memory.settle(memo)
         if not isinstance(hit, Hit):
             await self._failed(hit, scope, receive, send)
             return
-        headers, refusal = decide(compiled, hit, client)
-        counters = compiled.counters
+        headers, refusal = decide(variant, hit, client)
+        counters = variant.counters
         if refusal is not None:
             if counters is not None:
                 counters[1].inc()
-            self._log_refusal(compiled, refusal)
+            self._log_refusal(variant, refusal)
             if not self.dry_run:
                 response = self._on_refused(scope, refusal)
                 await response(scope, receive, adding_headers(send, headers))
                 return
         elif counters is not None:
             counters[0].inc()
-        if not hit.token:  # refused in a dry run: no slot to hold
-            await self.app(scope, receive, adding_headers(send, headers) if headers else send)
+        send = adding_headers(send, headers) if headers else send
+        settling = hit.allowed and variant.rule.settle
+        if not settling and not hit.token:
+            await self.app(scope, receive, send)
             return
-        vacate = Vacate.of(hit)
-        vacated = False
+        reservation: Reservation | None = None
+        if settling:
+            # A reservation: the handler may report what the request cost (settle()).
+            reservation = Reservation(variant.rule.name)
+            held: list[Reservation] | None = scope.get(RESERVATIONS)
+            if held is None:
+                scope[RESERVATIONS] = [reservation]
+            else:
+                held.append(reservation)
+        vacated = not hit.token  # (refused in a dry run, or no caps: no slot to hold)
+        vacate = Vacate.of(hit) if hit.token else None
 
         async def free() -> None:
             nonlocal vacated
-            if not vacated:
+            if not vacated and vacate is not None:
                 vacated = True
-                await self._vacate(client, vacate, compiled)
+                await self._vacate(client, vacate, variant)
 
         async def sending(message: Message) -> None:
+            # The slot is free before the response's last body chunk leaves: a client that
+            # sends its next request once it has read this response finds it free.
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 await free()
             await send(message)
 
         try:
-            await self.app(scope, receive, adding_headers(sending, headers) if headers else sending)
+            await self.app(scope, receive, sending if vacate is not None else send)
         finally:
             if not vacated:
                 # Shielded: a cancelled request (its client gone, the server stopping) still
                 # frees its slot; a second cancel leaves the vacate running on its own.
                 await asyncio.shield(asyncio.ensure_future(free()))
+            # Reported, even by a handler that raised after: applied. Never reported (it
+            # raised first, its client left): the estimate charged with the hit stands.
+            actual = reservation.actual if reservation is not None else None
+            if actual is not None and actual != hit.cost:
+                await self._settle(hit, actual, client, variant, memo)
+
+    async def _settle(
+        self, hit: Hit, actual: int, client: str, compiled: _CompiledRule, memo: str
+    ) -> None:
+        """Charge or refund the difference between ``actual`` and the hit's estimate."""
+        op = Settle.of(hit, actual)
+        pool = self.pool
+        try:
+            if not pool.apply_now(client, op):
+                future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                # Delivered past a full mailbox: it is bounded by the hits already admitted,
+                # and a debt dropped would be units served for free.
+                pool.submit(client, _SettleCall(future, op), must_deliver=True)
+                await asyncio.shield(future)
+            memory = self._memory
+            if memory is not None and actual < hit.cost:
+                # A refund, committed: a refusal remembered here may not hold any more.
+                memory.forget(memo)
+        except (StoreError, PoolClosedError) as exc:
+            self._log.event(
+                logging.ERROR,
+                ("settle",),
+                asyncio.get_running_loop().time(),
+                1.0,
+                "porch: a settle of %d units (estimate %d) on rule %r was not applied (%s);"
+                " the estimate stands",
+                actual,
+                hit.cost,
+                compiled.rule.name,
+                exc,
+                client=client,
+                rule=compiled.rule.name,
+                outcome="settle lost",
+            )
 
     async def _vacate(self, client: str, vacate: Vacate, compiled: _CompiledRule) -> None:
         """Free a request's slots; never refused (a full mailbox takes it all the same)."""
@@ -489,11 +599,16 @@ class RateLimitMiddleware:
             )
 
     async def _ask_store(
-        self, keys: list[str], compiled: _CompiledRule, client: str, slots: list[str] | None = None
+        self,
+        keys: list[str],
+        compiled: _CompiledRule,
+        client: str,
+        cost: int = 1,
+        slots: list[str] | None = None,
     ) -> Hit | PorchError:
         """The store's decision, or the error that kept it from deciding (logged)."""
         pool = self.pool
-        hit = compiled.hit(keys, slots=slots)
+        hit = compiled.hit(keys, cost, slots)
         if pool.apply_now(client, hit):
             return hit
         try:
@@ -549,6 +664,7 @@ class RateLimitMiddleware:
             outcome="dry_run" if self.dry_run else "refused",
             status=429,
             policies=[p.name for p in refusal.violated],
+            refused_by=refusal.level,
             retry_after=refusal.retry_after,
         )
 

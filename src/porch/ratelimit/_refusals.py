@@ -59,7 +59,7 @@ class Remembered:
 class RefusalMemory:
     """A bounded map of remembered refusals, oldest evicted first (expired ones before any)."""
 
-    __slots__ = ("_clock", "_max", "entries", "seconds")
+    __slots__ = ("_clock", "_max", "entries", "refunds", "seconds")
 
     def __init__(self, clock: Clock, *, seconds: float, entries: int) -> None:
         self._clock = clock
@@ -69,6 +69,9 @@ class RefusalMemory:
         # Public for the limiter's hot path: `if not memory.entries` is a C-level check,
         # where `len(memory)` would call __len__ in Python once per request. Read it only.
         self.entries: dict[str, Remembered] = {}
+        # Refunds (settles that gave units back) made through this memory's middleware: a
+        # refusal decided while one was applied may predate it, and is not remembered.
+        self.refunds = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -118,6 +121,14 @@ class RefusalMemory:
         # A live entry is a newer refusal another request remembered: keep it.
         if entry is not None and self._clock.monotonic() >= entry.until:
             del self.entries[key]
+            entry.release()
+
+    def forget(self, key: str) -> None:
+        """Forget ``key``'s refusal, live or not: units came back (a settle refunded some,
+        committed now). A refusal being decided meanwhile is not remembered (``refunds``)."""
+        self.refunds += 1
+        entry = self.entries.pop(key, None)
+        if entry is not None:
             entry.release()
 
     def _evict(self, now: float) -> None:
