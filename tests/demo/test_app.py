@@ -117,6 +117,14 @@ async def test_orders_are_paginated(tmp_path: Path) -> None:
         (["--mailbox", "0"], "mailbox capacity must be >= 1"),
         (["--workers", "0"], "--workers must be >= 1"),
         (["--window", "-1"], "limit window must be > 0"),
+        (["--burst", "5"], "--burst takes an integer >= 1 with --algorithm gcra, got 5 with fixed"),
+        (["--algorithm", "gcra", "--burst", "0"], "--burst takes an integer >= 1"),
+        (["--global-limit", "0"], "--global-limit must be >= 1, got 0"),
+        (["--token-budget", "0"], "--token-budget must be >= 1, got 0"),
+        (["--plans", "free"], "--plans takes 'name=rate[;rate...]' pairs"),
+        (["--plans", "free-x=1/s"], "--plans takes 'name=rate[;rate...]' pairs"),
+        (["--plans", "a=1/s,a=2/s"], "--plans takes 'name=rate[;rate...]' pairs"),
+        (["--plans", "free=5/fortnight"], "--plans: plan 'free': invalid rate '5/fortnight'"),
     ],
 )
 def test_demo_rejects_bad_options(
@@ -284,3 +292,61 @@ async def test_max_in_flight_caps_one_clients_checkouts(tmp_path: Path) -> None:
 def test_max_in_flight_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--max-in-flight", "0"]) == 2
     assert "--max-in-flight must be >= 1, got 0" in capsys.readouterr().err
+
+
+async def test_completions_reserve_max_tokens_and_settle_what_was_used(tmp_path: Path) -> None:
+    app = create_app(DemoConfig(data_dir=str(tmp_path), token_budget=100, window=60))
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://demo") as c,
+    ):
+        first = await c.post("/completions", json={"prompt": "one two three", "max_tokens": 90})
+        # 90 were reserved, 3 used: 97 are left, so 95 fits now; 98 would not.
+        big = await c.post("/completions", json={"prompt": "x " * 200, "max_tokens": 95})
+        over = await c.post("/completions", json={"prompt": "y", "max_tokens": 3})
+        bad = [
+            await c.post("/completions", content=b"[1]"),
+            await c.post("/completions", content=b"{nope"),
+            await c.post("/completions", json={"prompt": 1, "max_tokens": 1}),
+            await c.post("/completions", json={"prompt": "a", "max_tokens": 0}),
+            await c.post("/completions", json={"prompt": "a", "max_tokens": 100_001}),
+            await c.post("/completions", json={"prompt": "a", "max_tokens": True}),
+        ]
+        other = await c.get("/products")  # the app's own limit, not the token budget
+    assert (first.status_code, first.json()) == (200, {"tokens": 3})
+    assert first.headers["ratelimit-policy"] == '"tokens";q=100;w=60'
+    assert first.headers["ratelimit"] == '"tokens";r=10;t=60'  # told at the reservation
+    assert (big.status_code, big.json()) == (200, {"tokens": 95})
+    assert over.status_code == 429  # 3 + 95 + 3 > 100
+    assert over.json()["level"] == "client"
+    assert [r.status_code for r in bad] == [400, 400, 422, 422, 422, 422]
+    assert all(r.headers["content-type"] == "application/problem+json" for r in bad)
+    assert other.headers["ratelimit-policy"] == '"demo";q=60;w=60'
+
+
+async def test_a_global_level_and_plans(tmp_path: Path) -> None:
+    config = DemoConfig(
+        data_dir=str(tmp_path), limit=2, global_limit=5, plans="free=1/minute,pro=3/minute"
+    )
+    app = create_app(config)
+
+    def at(peer: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=app, client=(peer, 1234))
+        return httpx.AsyncClient(transport=transport, base_url="http://demo")
+
+    pro = {"Authorization": "Bearer pro-abc"}
+    async with app.router.lifespan_context(app), at("10.0.0.1") as a, at("10.0.0.2") as b:
+        planned = [(await a.get("/products", headers=pro)).status_code for _ in range(4)]
+        refused_by_plan = await b.get("/products", headers=pro)  # the same token, elsewhere
+        unknown = [
+            (await a.get("/products", headers={"Authorization": "Bearer gold-x"})).status_code
+            for _ in range(3)
+        ]
+        by_global = await b.get("/products")
+    assert planned == [200, 200, 200, 429]
+    assert refused_by_plan.json()["level"] == "client"
+    assert unknown == [200, 200, 429]  # no such plan: --limit per client
+    # 3 (pro) + 2 (10.0.0.1) = 5: the global level is full for everyone.
+    assert (by_global.status_code, by_global.json()["level"]) == (429, "global")
+    assert by_global.headers["ratelimit-policy"] == '"demo";q=2;w=60, "global";q=5;w=60'

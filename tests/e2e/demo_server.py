@@ -294,6 +294,16 @@ class DemoServer:
             result[row.client] = row
         return result
 
+    def rows(self) -> dict[str, int]:
+        """Every counter row's count, by its whole key (every rule and level), from the file."""
+        if not self.db_path.exists():
+            return {}
+        conn = _read_only(self.db_path)
+        try:
+            return {str(k): int(n) for k, n in conn.execute("SELECT key, count FROM counters")}
+        finally:
+            conn.close()
+
     def count_for(self, client: str = "127.0.0.1") -> int:
         row = self.counters().get(client)
         return 0 if row is None else row.count

@@ -24,10 +24,10 @@ from ..idempotency._keys import CallerScope
 from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
 from ..idempotency._policy import IdempotencyPolicy
 from ..identity import ClientIdentity
+from ..integrations.starlette import install
 from ..metrics import PorchMetrics
 from ..pool._pool import KeyPool
 from ..ratelimit._middleware import RateLimitMiddleware
-from ..ratelimit._rules import Concurrency, Limit, Rule
 from ..store.base import Quota
 from .checks import (
     MAX_BODY,
@@ -39,9 +39,11 @@ from .checks import (
     read_capped,
     unavailable,
 )
+from .completions import completions_route
 from .config import DemoConfig
 from .exports import export_route, quota_bytes
 from .orders import Orders
+from .policies import rate_rules
 from .webhooks import webhook_routes
 
 __all__ = ["PRODUCTS", "create_app", "create_app_from_env"]
@@ -125,6 +127,7 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
     )
     app.router.routes.extend(webhook_routes(pool, orders, config))
     app.router.routes.append(export_route())
+    app.router.routes.append(completions_route(config))
     # One identity for both: an anonymous caller's keys are scoped to the client the
     # limiter counts, so no two clients see each other's keys.
     identity = ClientIdentity(trust_hops=config.trust_proxy_hops)
@@ -148,14 +151,19 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         ),
         scope=CallerScope(identity=identity),
     )
+    key, rules = rate_rules(config, identity)
     app.add_middleware(
         RateLimitMiddleware,
         pool=pool,
-        rules=_rules(config),
-        key=identity,
-        exempt=("/health", "/metrics"),
+        rules=rules,
+        key=key,
+        # /completions counts tokens, by its own route limit.
+        exempt=("/health", "/metrics", "/completions"),
     )
     app.state.pool = pool
+    # The route limits (POST /completions' token budget) count through the same pool,
+    # keyed alike; the app-level middlewares open and close the pool.
+    install(app, pool, key=identity, manage_pool=False)
     # No trailing-slash redirects: the redirect URL is built by decoding the query
     # string as UTF-8, so "GET /orders/?\x80" answered 500 (found by tests/demo/test_fuzz.py).
     app.router.redirect_slashes = False
@@ -167,18 +175,6 @@ def create_app(config: DemoConfig | None = None) -> Starlette:
         # by default: a process id tells a client more about the host than it needs.
         app.add_middleware(_WorkerHeader)
     return app
-
-
-def _rules(config: DemoConfig) -> list[Rule]:
-    """Every request: --limit per --window per client. With --max-in-flight, checkout
-    (POST /orders) is also capped to that many requests of one client in flight: a rule
-    of its own (its rate counts on a counter of its own), first, so it selects them."""
-    rate = Limit(config.limit, config.window, name="demo")
-    rules = [Rule(rate)]
-    if config.max_in_flight is not None:
-        cap = Concurrency(config.max_in_flight, name="in-flight")
-        rules.insert(0, Rule([rate, cap], path="/orders", methods=["POST"], name="orders"))
-    return rules
 
 
 class _WorkerHeader:

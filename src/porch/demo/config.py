@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 
 from ..errors import ConfigurationError
+from ..ratelimit._rules import Limit
 from ..store import SQLiteStore, Store, open_store
-from ..store.base import Durability
+from ..store.base import ALGORITHMS, Algorithm, Durability
 
 __all__ = ["CONFIG_ENV", "DemoConfig"]
 
 # The CLI passes the config to uvicorn's worker processes in this variable.
 CONFIG_ENV = "PORCH_DEMO_CONFIG"
+_PLAN = re.compile(r"[A-Za-z0-9_]{1,32}\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,11 @@ class DemoConfig:
     worker_header: bool = False  # X-Demo-Worker: <pid> on every response (multi-worker tests)
     durability: Durability = "process"
     store: str | None = None  # a store URL (see porch.open_store); None: SQLite in data_dir
+    algorithm: Algorithm = "fixed"  # of the --limit/--window rule (and --global-limit)
+    burst: int | None = None  # gcra's burst of the per-client limit (None: the limit)
+    global_limit: int | None = None  # every client together, per window (a second level)
+    token_budget: int = 10_000  # POST /completions: tokens per client per window
+    plans: str | None = None  # "free=5/minute,pro=50/minute": limits by bearer token's plan
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +62,44 @@ class DemoConfig:
             )
         if self.workers < 1:
             raise ConfigurationError(f"--workers must be >= 1, got {self.workers}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigurationError(
+                f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        if self.burst is not None and (self.algorithm != "gcra" or self.burst < 1):
+            raise ConfigurationError(
+                f"--burst takes an integer >= 1 with --algorithm gcra, got {self.burst}"
+                f" with {self.algorithm}"
+            )
+        if self.global_limit is not None and self.global_limit < 1:
+            raise ConfigurationError(f"--global-limit must be >= 1, got {self.global_limit}")
+        if self.token_budget < 1:
+            raise ConfigurationError(f"--token-budget must be >= 1, got {self.token_budget}")
+        self.plan_limits()  # a bad --plans is refused here, by the CLI
+
+    def plan_limits(self) -> dict[str, tuple[Limit, ...]]:
+        """``--plans`` read: each plan's limits by name (empty without the flag).
+
+        ``name=rates`` pairs separated by ``,``; a plan of several rates separates them
+        by ``;`` (``"free=5/minute;100/day,pro=50/minute sliding"``). A name is letters,
+        digits and ``_``: a bearer token is ``<plan>-<rest>``.
+        """
+        if self.plans is None:
+            return {}
+        found: dict[str, tuple[Limit, ...]] = {}
+        for item in self.plans.split(","):
+            name, sep, rates = item.strip().partition("=")
+            if not sep or not _PLAN.match(name) or name in found:
+                raise ConfigurationError(
+                    f"--plans takes 'name=rate[;rate...]' pairs separated by ',' with distinct"
+                    f" names of letters, digits and _, e.g. 'free=5/minute,pro=50/minute';"
+                    f" got {item.strip()!r}"
+                )
+            try:
+                found[name] = Limit.parse(rates)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"--plans: plan {name!r}: {exc}") from None
+        return found
 
     def open_store(self) -> Store:
         """The store for counters and stored responses (not opened yet).

@@ -54,6 +54,40 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--limit", type=int, default=60, help="requests per window per client")
     p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
     p.add_argument(
+        "--algorithm",
+        choices=("fixed", "sliding", "gcra"),
+        default="fixed",
+        help="how --limit counts: fixed windows, a sliding window, or gcra (a token bucket)",
+    )
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gcra's bucket size (default: --limit)",
+    )
+    p.add_argument(
+        "--global-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also N requests per window for every client together (a second level)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="POST /completions: tokens per window per client, reserved then settled",
+    )
+    p.add_argument(
+        "--plans",
+        default=None,
+        metavar="PLANS",
+        help="limits by plan, e.g. 'free=5/minute,pro=50/minute': a request with"
+        " 'Authorization: Bearer <plan>-<rest>' is limited by that plan under that token",
+    )
+    p.add_argument(
         "--pool-size",
         type=int,
         default=None,
@@ -64,7 +98,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--checkout-latency",
         type=float,
         default=0.0,
-        help="simulated payment-provider delay inside POST /orders, seconds",
+        help="simulated delay inside POST /orders (the payment provider) and"
+        " POST /completions (the model), seconds",
     )
     p.add_argument(
         "--max-in-flight",
@@ -155,10 +190,25 @@ def _demo(args: argparse.Namespace) -> int:
             uds=args.uds,
             durability=args.durability,
             store=args.store,
+            algorithm=args.algorithm,
+            burst=args.burst,
+            global_limit=args.global_limit,
+            token_budget=args.token_budget,
+            plans=args.plans,
         )
         # Validate everything once here, so a bad flag is a message, not a worker traceback.
-        Limit(config.limit, config.window)
-        KeyPool(config.open_store(), size=config.pool_size, mailbox=config.mailbox)
+        Limit(config.limit, config.window, algorithm=config.algorithm, burst=config.burst)
+        store = config.open_store()
+        KeyPool(store, size=config.pool_size, mailbox=config.mailbox)
+        offered = store.capabilities.algorithms
+        asked = {config.algorithm} | {
+            limit.algorithm for found in config.plan_limits().values() for limit in found
+        }
+        if not asked <= offered:
+            raise ConfigurationError(
+                f"{type(store).__name__} does not decide {', '.join(sorted(asked - offered))}"
+                f" limits (it offers {', '.join(sorted(offered))})"
+            )
     except (ConfigurationError, ValueError) as exc:
         print(f"porch demo: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -173,9 +223,13 @@ def _demo(args: argparse.Namespace) -> int:
     if config.store is None:
         where = f"data in {os.path.abspath(config.data_dir)}"
     address = f"unix:{config.uds}" if config.uds else f"http://{config.host}:{config.port}"
+    policy = f"limit {config.limit} per {config.window:g}s per client"
+    if config.algorithm != "fixed":
+        policy += f" ({config.algorithm})"
+    if config.global_limit is not None:
+        policy += f", {config.global_limit} for everyone"
     print(
-        f"porch demo serving on {address} "
-        f"({redact(where)}, limit {config.limit} per {config.window:g}s per client)",
+        f"porch demo serving on {address} ({redact(where)}, {policy})",
         flush=True,
     )
     try:
