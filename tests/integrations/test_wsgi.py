@@ -35,6 +35,7 @@ from porch import (
     SQLiteStore,
 )
 from porch.integrations.wsgi import WSGIMiddleware
+from porch.ratelimit import CostRequest, settle
 from porch.store.base import Parts
 from porch.store.sqlite.blobs import blob_path
 
@@ -317,3 +318,45 @@ def test_a_big_response_streams_through_the_bridge_both_ways(tmp_path: Path) -> 
     finally:
         guarded.close()
     assert len(runs) == 1
+
+
+def test_a_wsgi_app_settles_its_reservation_in_the_environ(tmp_path: Path) -> None:
+    """A token budget under the bridge: the app reports what it used with settle(environ)."""
+
+    def completions(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = json.loads(environ["wsgi.input"].read(length))
+        used = min(body["max_tokens"], len(body["prompt"].split()))
+        assert settle(environ, used)
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps({"tokens": used}).encode()]
+
+    async def max_tokens(request: CostRequest) -> int:
+        return int((await request.json())["max_tokens"])
+
+    pool = KeyPool(SQLiteStore(tmp_path), size=2)
+    guarded = WSGIMiddleware(
+        completions,
+        pool=pool,
+        wrap=lambda inner: RateLimitMiddleware(
+            inner,
+            pool=pool,
+            rules=Rule(Limit(100, 60, name="tokens"), cost=max_tokens, settle=True),
+        ),
+    )
+    server: WSGIServer = make_server("127.0.0.1", 0, guarded, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        first = httpx.post(base, json={"prompt": "a b c", "max_tokens": 90}, timeout=30)
+        second = httpx.post(base, json={"prompt": "d", "max_tokens": 97}, timeout=30)
+        third = httpx.post(base, json={"prompt": "e", "max_tokens": 97}, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+        guarded.close()
+    assert (first.status_code, first.json()) == (200, {"tokens": 3})
+    assert (second.status_code, second.json()) == (200, {"tokens": 1})  # 3 + 97 <= 100
+    assert third.status_code == 429  # 3 + 1 + 97 > 100

@@ -125,7 +125,9 @@ def settle(request: Any, amount: int, *, rule: str | None = None) -> bool:
     """Report what ``request`` actually cost: ``amount`` units (an int >= 0).
 
     ``request`` is the request's ASGI scope or anything holding it as ``.scope``
-    (Starlette's and FastAPI's ``Request``, a :class:`CostRequest`). The amount is
+    (Starlette's and FastAPI's ``Request``, a :class:`CostRequest`); under the WSGI
+    bridge, the WSGI environ or what holds it as ``.environ`` (Flask's and Django's
+    request). The amount is
     recorded in each reservation the request holds (each ``Rule(settle=True)``
     that counted it; ``rule``: only the one of that name) and applied by its
     middleware after the response: the difference from the estimate charged with
@@ -135,7 +137,9 @@ def settle(request: Any, amount: int, *, rule: str | None = None) -> bool:
     """
     if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:
         raise ValueError(f"a settled amount must be an integer >= 0, got {amount!r}")
-    scope = getattr(request, "scope", request)
+    scope = getattr(request, "scope", None)
+    if scope is None:
+        scope = getattr(request, "environ", request)
     if not isinstance(scope, MutableMapping):
         raise TypeError(f"settle() takes a request or its ASGI scope, got {request!r}")
     taken = False

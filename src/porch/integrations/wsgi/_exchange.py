@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from ..._types import ASGIApp, Message, Receive, Scope, Send
+from ...ratelimit._costs import RESERVATIONS
 from ._environ import scope_of, status_line
 
 __all__ = ["Exchange", "StartResponse", "WSGIApp", "wsgi_app"]
@@ -33,7 +34,8 @@ async def wsgi_app(scope: Scope, receive: Receive, send: Send) -> None:
     """The WSGI app as the middlewares see it: asks the server's thread to run it."""
     exchange: Exchange = scope["porch.integrations.wsgi"]
     body = await exchange.body_if_read(receive)
-    status, headers = await exchange.ask("run", body)
+    # The rate limiter's reservations go into the environ: the app settles them there.
+    status, headers = await exchange.ask("run", body, scope.get(RESERVATIONS))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     # One chunk ahead: the last one goes out as the end of the response, which the
     # idempotency middleware holds until the stored copy is committed.
@@ -199,7 +201,7 @@ class Exchange:
             if what == "read":
                 result: Any = self._read()
             elif what == "run":
-                result = self._start_app(args[0])
+                result = self._start_app(args[0], args[1])
             else:  # "next"
                 result = self._next_chunk()
         except BaseException as exc:
@@ -232,12 +234,17 @@ class Exchange:
         self.remaining = self.remaining - len(chunk) if chunk else 0
         return chunk
 
-    def _start_app(self, body: bytes | None) -> tuple[int, list[tuple[bytes, bytes]]]:
+    def _start_app(
+        self, body: bytes | None, reservations: list[Any] | None
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
         environ = self.environ
         if body is not None:
             # A middleware read the body: the app reads the same bytes.
             environ = {**environ, "wsgi.input": io.BytesIO(body)}
             environ["CONTENT_LENGTH"] = str(len(body))
+        if reservations is not None:
+            # porch.ratelimit.settle(environ, n) (Flask: request.environ) records into them.
+            environ[RESERVATIONS] = reservations
         head: list[Any] = []
 
         def start_response(
