@@ -252,6 +252,7 @@ def test_gcra_lets_a_burst_through_then_one_per_interval(demo: DemoLauncher) -> 
         assert http.get("/products").status_code == 200
 
 
+@pytest.mark.slow
 def test_sliding_counts_the_previous_window_weighted(demo: DemoLauncher) -> None:
     sqlite_decides("sliding")
     server = demo.start(limit=4, window=3, algorithm="sliding")
