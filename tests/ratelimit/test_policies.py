@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from porch import (
+    Concurrency,
     ConfigurationError,
     ForwardingHeaderError,
     KeyPool,
@@ -294,6 +295,43 @@ async def test_a_refund_forgets_a_remembered_refusal(pool: KeyPool) -> None:
         go.set()
         assert (await holding).status_code == 200  # used nothing: its 5 came back
         assert (await c.get("/?used=6", headers={"x-reserve": "6"})).status_code == 200
+
+
+async def test_a_cap_and_a_settled_cost_in_one_rule(pool: KeyPool, tmp_path: Path) -> None:
+    # A token budget with one completion of a client in flight at a time.
+    entered, go = asyncio.Event(), asyncio.Event()
+
+    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/slow":
+            entered.set()
+            await go.wait()
+        await settling(scope, receive, send)
+
+    rule = Rule(
+        [Limit(100, 60, name="tokens"), Concurrency(1, name="one")], cost=reserve, settle=True
+    )
+    app = RateLimitMiddleware(slow, pool=pool, rules=rule)
+    async with client(app) as c:
+        holding = asyncio.create_task(c.get("/slow?used=10", headers={"x-reserve": "50"}))
+        await asyncio.wait_for(entered.wait(), 10)
+        busy = await c.get("/?used=1", headers={"x-reserve": "1"})
+        go.set()
+        assert (await holding).status_code == 200
+        after = await c.get("/?used=1", headers={"x-reserve": "1"})
+    assert (busy.status_code, busy.headers["retry-after"]) == (429, "1")
+    assert busy.json()["violated"] == [
+        {
+            "policy": "one",
+            "level": "client",
+            "limit": 1,
+            "unit": "concurrent-requests",
+            "remaining": 0,
+            "reset_after": 1,
+        }
+    ]
+    assert after.status_code == 200
+    # The refused request consumed nothing; the two served settled to what they used.
+    assert counters(tmp_path)[f"rl{US}default{US}tokens{US}10.1.1.1"] == 11
 
 
 # -- levels ------------------------------------------------------------------------------
