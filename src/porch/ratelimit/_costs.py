@@ -130,9 +130,10 @@ def settle(request: Any, amount: int, *, rule: str | None = None) -> bool:
     request). The amount is
     recorded in each reservation the request holds (each ``Rule(settle=True)``
     that counted it; ``rule``: only the one of that name) and applied by its
-    middleware after the response: the difference from the estimate charged with
-    the request is refunded or charged then. Called again, the last amount
-    counts. Returns whether a reservation took it (False: no rule reserved for
+    middleware before the response's last body chunk leaves (or, reported later,
+    once the handler returns): the difference from the estimate charged with the
+    request is refunded or charged then. Called again, the last amount reported
+    before that counts. Returns whether a reservation took it (False: no rule reserved for
     this request, e.g. the limiter is off, or exempted it).
     """
     if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:

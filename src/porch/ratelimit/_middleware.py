@@ -509,34 +509,42 @@ class RateLimitMiddleware:
                 scope[RESERVATIONS] = [reservation]
             else:
                 held.append(reservation)
-        vacated = not hit.token  # (refused in a dry run, or no caps: no slot to hold)
-        vacate = Vacate.of(hit) if hit.token else None
+        vacate = Vacate.of(hit) if hit.token else None  # (no caps, or a dry run's refusal)
+        settled = False
 
-        async def free() -> None:
-            nonlocal vacated
-            if not vacated and vacate is not None:
-                vacated = True
-                await self._vacate(client, vacate, variant)
+        def pending() -> bool:
+            return vacate is not None or (
+                not settled and reservation is not None and reservation.actual is not None
+            )
+
+        async def finish() -> None:
+            # What the request held, freed; what its handler reported, settled.
+            nonlocal vacate, settled
+            if vacate is not None:
+                freeing, vacate = vacate, None
+                await self._vacate(client, freeing, variant)
+            if not settled and reservation is not None and reservation.actual is not None:
+                settled = True
+                if reservation.actual != hit.cost:
+                    await self._settle(hit, reservation.actual, client, variant, memo)
 
         async def sending(message: Message) -> None:
-            # The slot is free before the response's last body chunk leaves: a client that
-            # sends its next request once it has read this response finds it free.
+            # Before the response's last body chunk leaves: its slots are free and what it
+            # reported is settled, so a client that sends its next request once it has
+            # read this response finds both done.
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await free()
+                await finish()
             await send(message)
 
         try:
-            await self.app(scope, receive, sending if vacate is not None else send)
+            await self.app(scope, receive, sending)
         finally:
-            if not vacated:
-                # Shielded: a cancelled request (its client gone, the server stopping) still
-                # frees its slot; a second cancel leaves the vacate running on its own.
-                await asyncio.shield(asyncio.ensure_future(free()))
-            # Reported, even by a handler that raised after: applied. Never reported (it
-            # raised first, its client left): the estimate charged with the hit stands.
-            actual = reservation.actual if reservation is not None else None
-            if actual is not None and actual != hit.cost:
-                await self._settle(hit, actual, client, variant, memo)
+            # The app returned having reported after its last chunk, or raised after it
+            # reported, or was cancelled (its client gone, the server stopping): shielded,
+            # so the slots are freed and the report settled all the same. Never reported
+            # (it raised first, its client left): the estimate charged with the hit stands.
+            if pending():
+                await asyncio.shield(asyncio.ensure_future(finish()))
 
     async def _settle(
         self, hit: Hit, actual: int, client: str, compiled: _CompiledRule, memo: str

@@ -413,11 +413,12 @@ class Rule:
     or a function of the request (:data:`CostFunc`, sync or async; given a
     :class:`~porch.ratelimit.CostRequest`, it may read the body; a ValueError,
     LookupError or TypeError it raises means the request is not what it expects,
-    answered 400, and a body over its cap 413). ``settle=True``: the cost is a reservation, and the
-    handler reports what the request actually cost with
-    :func:`porch.ratelimit.settle`; after the response the difference is
-    refunded or charged (docs/design.md, "Policies": the settle rule). A handler
-    that raises, or whose client leaves, before it reported keeps the estimate.
+    answered 400, and a body over its cap 413). ``settle=True``: the cost is a
+    reservation, and the handler reports what the request actually cost with
+    :func:`porch.ratelimit.settle`; the difference is refunded or charged before
+    the response's last body chunk leaves (docs/design.md, "Policies": the settle
+    rule). A handler that raises, or whose client leaves, before it reported keeps
+    the estimate.
 
     ``levels``: more keys to count under, by name (``{"org": org_of}``: a
     :data:`LevelKey`), for the limits whose ``level`` names them; ``"client"``
