@@ -807,14 +807,6 @@ def _decides(shared: Shared, *algorithms: str) -> None:
         pytest.skip(f"this store does not decide {', '.join(sorted(missing))} limits yet")
 
 
-def _costs(shared: Shared) -> None:
-    # Costs and settles land on each network store with its algorithms (issue 23): until
-    # its capabilities name them, a cost other than 1 is a StoreError there. (SQLite has
-    # taken them since the seam landed.)
-    if isinstance(shared, Postgres | Redis) and shared.algorithms() == {"fixed"}:
-        pytest.skip("this store does not take costs and settles yet (issue 23)")
-
-
 async def _requests(
     calls: list[tuple[str, str, dict[str, str], Any]],
 ) -> list[httpx.Response]:
@@ -868,7 +860,6 @@ def test_each_algorithm_is_exact_across_two_hosts(
 def test_a_token_budget_is_settled_exactly_across_two_hosts(
     demo: DemoLauncher, shared: Shared
 ) -> None:
-    _costs(shared)
     a, b = two_hosts(demo, shared, token_budget=1000)
     body = {"prompt": " ".join(["word"] * 7), "max_tokens": 100}
     none: dict[str, str] = {}
