@@ -503,6 +503,25 @@ def test_counts_survive_both_hosts_killed(demo: DemoLauncher, shared: Shared) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["sliding", "gcra"])
+def test_windows_and_buckets_survive_both_hosts_killed(
+    demo: DemoLauncher, shared: Shared, algorithm: str
+) -> None:
+    """A sliding window's count and a gcra bucket's arrival time are the store's: both
+    hosts killed with ``kill -9`` and restarted, the client has exactly what was left."""
+    # A long window: no unit comes back while the test runs (gcra: one per 600 s).
+    a, b = two_hosts(demo, shared, limit=6, window=3600, algorithm=algorithm)
+    statuses = asyncio.run(_gets([f"{h.base_url}/products" for h in (a, b, a, b, a)]))
+    assert statuses == [200] * 5
+    a.kill()
+    b.kill()
+    a.restart()
+    b.restart()
+    statuses = asyncio.run(_gets([f"{h.base_url}/products" for h in (b, a, b)]))
+    assert sorted(statuses) == [200, 429, 429]
+
+
+@pytest.mark.slow
 @pytest.mark.redis
 def test_counts_survive_redis_killed_and_restarted_with_aof(
     demo: DemoLauncher, shared: Shared
