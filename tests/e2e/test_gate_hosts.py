@@ -51,7 +51,6 @@ class Shared(Protocol):
 
     url: str
     leases: bool  # a frozen claim holder is taken over (False: it keeps its claims)
-    slots: bool  # its store takes concurrency slots (--max-in-flight)
 
     def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
         """The demo limiter's stored count for ``client`` (0 without a row); ``prefix``:
@@ -75,7 +74,6 @@ class SQLite:
     """One file shared by two host processes of this machine (claims are OFD locks)."""
 
     leases = False
-    slots = True
 
     def __init__(self, root: Path) -> None:
         self.path = root / "shared" / "porch.sqlite3"
@@ -111,7 +109,6 @@ class Postgres:
     """A database of this test's own on a server of its own (which it may stop or freeze)."""
 
     leases = True
-    slots = False
 
     def __init__(self, server: PostgresServer) -> None:
         self.server = server
@@ -159,7 +156,6 @@ class Redis:
     """A redis-server of this test's own, AOF synced at every write (the restart legs)."""
 
     leases = True
-    slots = False
 
     def __init__(self, server: RedisServer) -> None:
         self.server = server
@@ -704,11 +700,6 @@ async def _checkouts(hosts: list[DemoServer], n: int) -> list[tuple[httpx.Respon
         return list(await asyncio.gather(*(one(hosts[i % len(hosts)]) for i in range(n))))
 
 
-def _capped(shared: Shared) -> None:
-    if not shared.slots:
-        pytest.skip("this store takes no concurrency slots yet")
-
-
 def _checkout(host: DemoServer) -> int:
     return httpx.post(
         f"{host.base_url}/orders", json=ORDER, timeout=TIMEOUT, trust_env=False
@@ -720,7 +711,6 @@ def test_the_concurrency_cap_is_exact_across_two_hosts(demo: DemoLauncher, share
     hosts' order tables, the handler's side), 17 are refused with Retry-After 1 — every
     refusal before any of the 3 ended, so all 20 were decided while the 3 held their
     slots, and a fourth order would be a fourth checkout in flight."""
-    _capped(shared)
     a, b = two_hosts(demo, shared, max_in_flight=CAP, checkout_latency=4.0)
     for round_ in (1, 2):  # the second: the slots came back when the responses ended
         results = asyncio.run(_checkouts([a, b], 20))
@@ -753,7 +743,6 @@ def test_a_killed_hosts_slots_come_back_at_once_or_within_the_lease(
     """A host killed (-9) in the middle of two checkouts holding both slots: the other
     host admits the client again at once (SQLite: the kernel dropped the holder's lock)
     or within the lease (PostgreSQL, Redis: 3 s by default)."""
-    _capped(shared)
     options: dict[str, Any] = {"store": shared.url, "max_in_flight": 2}
     a = demo.start(limit=10000, window=600, checkout_latency=60.0, **options)
     b = demo.start(limit=10000, window=600, checkout_latency=0.05, **options)
@@ -792,7 +781,6 @@ def test_a_host_stopped_with_sigterm_frees_its_slots_at_once(
 ) -> None:
     """SIGTERM: the host finishes the checkouts in flight, frees their slots and closes its
     store; the other host admits the client at once, not a lease later."""
-    _capped(shared)
     options: dict[str, Any] = {"store": shared.url, "max_in_flight": 2}
     a = demo.start(limit=10000, window=600, checkout_latency=2.0, **options)
     b = demo.start(limit=10000, window=600, checkout_latency=0.05, **options)

@@ -21,9 +21,9 @@ then loses its claims as a frozen process does.
 
 The thread renews while the loop that opened the store exists; once that loop
 is closed nobody is left to report the leases, so they are released. Leases
-have a kind: idempotency claims today; other leases a process holds (such as
-concurrency slots) are renewed by the same heartbeat, in the same round trip,
-by a Renewer that knows their kind.
+have a kind: idempotency claims (``CLAIM``) and concurrency slots (``SLOT``),
+renewed by the same heartbeat, in the same round trip, by a Renewer that knows
+both kinds.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
-__all__ = ["CLAIM", "RENEWALS_PER_LEASE", "Heartbeat", "HeldLeases", "Lease", "Renewer"]
+__all__ = ["CLAIM", "RENEWALS_PER_LEASE", "SLOT", "Heartbeat", "HeldLeases", "Lease", "Renewer"]
 
 #: The kind of an idempotency claim's lease.
 CLAIM = "claim"
+#: The kind of a concurrency slot's lease (one per slot key and request).
+SLOT = "slot"
 # Renewals per lease: a lease survives two renewals lost in a row.
 RENEWALS_PER_LEASE = 3
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from ..errors import StoreError
 from .algorithms import TAGS, State, charge, fits, report
-from .base import Hit, Settle, Vacate
+from .base import Hit, Settle
 
-__all__ = ["collapse_hits", "fill_decided", "refuse_slots"]
+__all__ = ["collapse_hits", "fill_decided", "fill_slots"]
 
 Op = TypeVar("Op")
 
@@ -181,9 +180,13 @@ def fill_decided(
         hit.wall = wall
 
 
-def refuse_slots(ops: Sequence[object], store: str) -> None:
-    """StoreError for concurrency slots, which a store that decides the policies does not
-    take yet."""
-    for op in ops:
-        if isinstance(op, Vacate) or (isinstance(op, Hit) and op.slots is not None):
-            raise StoreError(f"the {store} store takes no concurrency slots")
+def fill_slots(
+    hits: Sequence[Hit], allowed: int, in_flight: Sequence[int], tokens: Sequence[int]
+) -> None:
+    """Fill the slots of alike hits (after :func:`fill_decided`): per slot key the
+    requests in flight before them, and the tokens of the first ``allowed`` (one each,
+    in order). The j-th hit reports the count with min(j, allowed) of them."""
+    for j, hit in enumerate(hits, 1):
+        taken = j if j < allowed else allowed
+        hit.in_flight = [n + taken for n in in_flight]
+        hit.token = tokens[j - 1] if j <= allowed else 0

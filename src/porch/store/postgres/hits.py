@@ -124,17 +124,21 @@ _WRITE = r"""
 """
 
 
-def decide_counters(op: str) -> str:
+def decide_counters(op: str, admit: str = "", admitted: str = "") -> str:
     """The SQL deciding the locked counters' hits and settles at time tc, in arrival
     order, one output row per hit (a refused hit consumes nothing; a settle has no row).
 
     Each counter row is read once (LOCK_COUNTERS) and written once per batch; in
     between everything is decided on arrays. A hit's row: how many of its alike hits
     fit every limit in turn (code), and per limit the state before them (ns, ps, ss).
-    ``op``: the expression numbering counter op h's output row.
+    ``op``: the expression numbering counter op h's output row. ``admit``: SQL run for
+    hit h before its limits are read, which may lower ``xk`` (how many of its alike
+    hits the limits are asked about; concurrency slots, postgres/slots.py);
+    ``admitted``: SQL run once ``xk`` of them are counted, before the hit's row.
     """
     return (
-        r"""
+        (
+            r"""
     IF ltags IS NULL AND ldeltas IS NULL THEN
     -- Fixed windows only, hits only (the common batch): the general loop below, less
     -- what it does for other algorithms and settles, in fewer statements a limit.
@@ -142,7 +146,7 @@ def decide_counters(op: str) -> str:
         a := cstart[h];
         b := CASE WHEN h < nc THEN cstart[h + 1] - 1 ELSE nl END;
         xc := coalesce(ccost[h], 1);
-        xk := cmult[h];
+        xk := cmult[h];ADMIT
         ns := '{}'; ss := '{}';
         FOR j IN a .. b LOOP
             x := lidx[j];
@@ -163,7 +167,7 @@ def decide_counters(op: str) -> str:
                 cd[x] := true;
             END LOOP;
         END IF;
-        op := OP; code := xk;
+ADMITTED        op := OP; code := xk;
         RETURN NEXT;
     END LOOP;
     ELSE
@@ -174,8 +178,8 @@ def decide_counters(op: str) -> str:
             FOR j IN a .. b LOOP
                 xd := ldeltas[j];
                 CONTINUE WHEN xd = 0;"""
-        + _READ
-        + r"""
+            + _READ
+            + r"""
                 IF xg = 2 THEN
                     xi := xw / xa::float8;
                     IF xd > 0 THEN
@@ -195,17 +199,18 @@ def decide_counters(op: str) -> str:
                 ELSE
                     CONTINUE;  -- a refund to a window that has gone
                 END IF;"""
-        + _WRITE
-        + r"""
+            + _WRITE
+            + r"""
             END LOOP;
             CONTINUE;
         END IF;
         xc := coalesce(ccost[h], 1);
         xk := cmult[h];  -- how many of the alike hits fit every limit, in turn
+ADMIT
         ns := '{}'; ps := '{}'; ss := '{}';
         FOR j IN a .. b LOOP"""
-        + _READ
-        + r"""
+            + _READ
+            + r"""
             ns := ns || xn; ps := ps || xp; ss := ss || xs;
             IF xg = 0 THEN  -- n + c <= A
                 IF xc = 0 THEN
@@ -243,11 +248,11 @@ def decide_counters(op: str) -> str:
                 ELSE
                     xn := xn + xk * xc;
                 END IF;"""
-        + _WRITE
-        + r"""
+            + _WRITE
+            + r"""
             END LOOP;
         END IF;
-        op := OP; code := xk;
+ADMITTED        op := OP; code := xk;
         RETURN NEXT;
     END LOOP;
     END IF;
@@ -260,7 +265,11 @@ def decide_counters(op: str) -> str:
         SELECT x.key FROM counters x WHERE x.expires <= tc
         ORDER BY x.expires LIMIT prune FOR UPDATE SKIP LOCKED);
 """
-    ).replace("op := OP;", f"op := {op};")
+        )
+        .replace("op := OP;", f"op := {op};")
+        .replace("ADMITTED", admitted)
+        .replace("ADMIT", admit)
+    )
 
 
 _COUNTER_ARGUMENTS = r"""

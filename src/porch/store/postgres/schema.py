@@ -21,6 +21,7 @@ from ...errors import StoreError
 from ..base import SECRET_BYTES
 from .function import APPLY_FUNCTION
 from .hits import HITS_FUNCTION
+from .slots import SLOT_LEASES_FUNCTION, SLOTS_FUNCTION
 
 if TYPE_CHECKING:
     from asyncpg import Connection
@@ -119,6 +120,17 @@ _MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (body, seq)
     );
     """,
+    # 6: concurrency slots (slots.py): a row per request in flight under a key, a lease
+    # its holder's heartbeat renews; the index finds the lapsed ones to prune.
+    """
+    CREATE TABLE {s}.slots (
+        key         text COLLATE "C" NOT NULL,
+        token       bigint NOT NULL,
+        lease_until float8 NOT NULL,
+        PRIMARY KEY (key, token)
+    );
+    CREATE INDEX slots_leases ON {s}.slots (lease_until);
+    """,
 )
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -169,4 +181,6 @@ async def migrate(conn: Connection, schema: str) -> int:
             await conn.execute(f"INSERT INTO {s}.migrations (version) VALUES ($1)", number + 1)
         await conn.execute(APPLY_FUNCTION.replace("{s}", s))
         await conn.execute(HITS_FUNCTION.replace("{s}", s))
+        await conn.execute(SLOTS_FUNCTION.replace("{s}", s))
+        await conn.execute(SLOT_LEASES_FUNCTION.replace("{s}", s))
     return version

@@ -40,9 +40,9 @@ from urllib.parse import parse_qs, urlsplit
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import CLAIM, Heartbeat, HeldLeases
+from .._leases import CLAIM, SLOT, Heartbeat, HeldLeases, Lease
 from .._watches import Watches
-from ..alike import collapse_hits, refuse_slots
+from ..alike import collapse_hits
 from ..base import (
     ALGORITHMS,
     PART_GRACE,
@@ -52,6 +52,7 @@ from ..base import (
     Settle,
     StoreOp,
     StoreStatistics,
+    Vacate,
 )
 from ..transport import check_transport
 from ..urls import redact
@@ -60,6 +61,7 @@ from .codec import Op, arguments, settle
 from .hits import fill_counters, hit_arguments
 from .parts import PostgresParts
 from .schema import migrate, quote_schema, read_secret
+from .slots import fill_slot_hits, slot_arguments
 
 if TYPE_CHECKING:
     from .admin import PostgresAdmin
@@ -185,6 +187,9 @@ class PostgresStore:
             admin=self.admin,
             algorithms=frozenset(ALGORITHMS),
             parts=self._parts,
+            # Leases renewed by the heartbeat (slots.py): a dead holder's within `lease`.
+            slots=True,
+            slot_lease=self.lease,
         )
         self.application_name = application_name
         self.channel = f"porch_claims_{schema}"
@@ -202,6 +207,11 @@ class PostgresStore:
         self._hits_sql = (
             f"SELECT * FROM {quote_schema(schema)}.hits_v2("
             + ", ".join(f"${n}" for n in range(1, 14))
+            + ")"
+        )
+        self._slots_sql = (
+            f"SELECT * FROM {quote_schema(schema)}.slot_hits_v1("
+            + ", ".join(f"${n}" for n in range(1, 22))
             + ")"
         )
         self._queue: asyncio.Queue[_Job | None] | None = None
@@ -283,7 +293,7 @@ class PostgresStore:
         self._heartbeat = Heartbeat(
             held,
             lease=self.lease,
-            renewer=lambda: Renewals(self._connect, self._call, held),
+            renewer=lambda: Renewals(self._connect, self._lease_round, self.lease),
             deadline=self.connect_timeout + self.statement_timeout + 1.0,
             name="porch-pg-heartbeat",
             logger=logger,
@@ -400,12 +410,15 @@ class PostgresStore:
         try:
             if conn is None or conn.is_closed():
                 conn = await self._connect()
-            refuse_slots(ops, "PostgreSQL")
             sent, alike = collapse_hits(ops)
             clock = self.clock
             now = None if clock is None else clock.monotonic()
             wall = None if clock is None else clock.wall()
-            if sent and all(type(op) is Hit or type(op) is Settle for op in sent):
+            if any(type(op) is Vacate or (type(op) is Hit and op.slots) for op in ops):
+                # Concurrency slots: the counter ops with their slots (slots.py), then the
+                # rest, if any, in a second call.
+                await self._run_slots(conn, ops, now, wall)
+            elif sent and all(type(op) is Hit or type(op) is Settle for op in sent):
                 # The limiter's batches: a lean function.
                 arguments = hit_arguments(sent, alike, self.prune_batch, now)
                 async with asyncio.timeout(self.statement_timeout + 0.5):
@@ -432,6 +445,7 @@ class PostgresStore:
         if error is not None:
             self._failures += 1
             logger.error("porch: PostgreSQL batch failed: %s", error)
+            self._forget(ops)  # slots a first call took: nobody will vacate them
             if conn is not None:
                 conn.terminate()  # its state is unknown: the next batch reconnects
             conn = None
@@ -448,21 +462,65 @@ class PostgresStore:
     ) -> list[Any]:
         return arguments(ops, alike, self.lease, self.prune_batch, self.channel, now)
 
-    async def _call(self, conn: Any, ops: list[Op]) -> Any:
-        """The batch function over ``ops`` on ``conn`` (the heartbeat's), bounded."""
+    def _forget(self, ops: Sequence[Op]) -> None:
+        """Stop renewing claims and slots taken for a caller that timed out (or whose
+        batch failed after its slots were taken): their leases lapse."""
+        for op in ops:
+            if type(op) is Claim and op.token:
+                self._held.end(CLAIM, op.key, op.token)
+            elif type(op) is Hit and op.token and op.slots:
+                for key in op.slots:
+                    self._held.end(SLOT, key, op.token)
+
+    async def _run_slots(
+        self, conn: Any, ops: list[Op], now: float | None, wall: float | None
+    ) -> None:
+        """A batch holding slot ops: its hits, settles and vacates through slot_hits_v1,
+        then its other ops (claims, saves...) through apply_v4."""
+        counter_ops: list[Hit | Settle | Vacate] = []
+        rest: list[Op] = []
+        for op in ops:
+            if type(op) is Hit or type(op) is Settle or type(op) is Vacate:
+                counter_ops.append(op)
+            else:
+                rest.append(op)
+        sent, alike = collapse_hits(counter_ops)
+        arguments = slot_arguments(sent, alike, self.lease, self.prune_batch, now)
+        async with asyncio.timeout(self.statement_timeout + 0.5):
+            rows = await conn.fetch(self._slots_sql, *arguments)
+        fill_slot_hits(sent, alike, rows, wall, self._held)
+        if rest:
+            async with asyncio.timeout(self.statement_timeout + 0.5):
+                rows = await conn.fetch(self._sql, *self._arguments(rest, {}, now))
+            settle(rest, {}, rows, self._held, wall)
+
+    async def _lease_round(
+        self, conn: Any, ops: list[Op], slots: list[Lease], lease: float | None
+    ) -> Any:
+        """The heartbeat's one statement (see claims.Renewals): the claims' ops through the
+        batch function, the slots through slot_leases_v1; rows (kind, number, code)."""
+        schema = quote_schema(self.schema)
+        parts: list[str] = []
+        args: list[Any] = []
+        if ops:
+            args += self._arguments(ops, {})
+            marks = ", ".join(f"${n}" for n in range(1, len(args) + 1))
+            parts.append(f"SELECT 0 AS kind, op, code FROM {schema}.apply_v4({marks}) WHERE op > 0")
+        if slots:
+            n = len(args)
+            args += [[s.key for s in slots], [s.token for s in slots], lease]
+            parts.append(
+                f"SELECT 1, n, ok FROM {schema}.slot_leases_v1(${n + 1}, ${n + 2}, ${n + 3})"
+            )
+        if not parts:
+            return []
         try:
             async with asyncio.timeout(self.statement_timeout + 0.5):
-                return await conn.fetch(self._sql, *self._arguments(ops, {}))
+                return await conn.fetch(" UNION ALL ".join(parts), *args)
         except TimeoutError as exc:
             raise StoreError(
                 f"PostgreSQL did not answer within {self.statement_timeout + 0.5:g}s"
             ) from exc
-
-    def _forget(self, ops: Sequence[Op]) -> None:
-        """Stop renewing claims taken for a caller that timed out: their leases lapse."""
-        for op in ops:
-            if type(op) is Claim and op.token:
-                self._held.end(CLAIM, op.key, op.token)
 
 
 async def _close(conn: Any) -> None:

@@ -6,9 +6,10 @@ The engine is shared with the PostgreSQL store (:mod:`porch.store._watches`,
 - a wake-up: the Save and Release scripts ``PUBLISH`` the logical key on the
   store's channel (only when a Claim found it held: uncontended keys cost no
   message). One connection per process is subscribed (:class:`Subscription`);
-- a renewal: every lease the process holds, extended by the ``renew`` script,
-  all in one pipeline on the heartbeat's own client (:class:`Renewals`); a
-  release at close is one pipeline of ``release`` scripts, which publish.
+- a renewal: every lease the process holds, extended by the ``renew`` script
+  (claims) or the ``slot_lease`` script (concurrency slots), all in one pipeline
+  on the heartbeat's own client (:class:`Renewals`); a release at close is one
+  pipeline of ``release`` scripts, which publish, and ``slot_lease`` ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._tasks import stop_if_cancelled
 from ...errors import StoreError
-from .._leases import CLAIM, Lease
+from .._leases import CLAIM, SLOT, Lease
 from .commands import Command
 from .keys import KeyNames
 
@@ -95,7 +96,9 @@ class Renewals:
         results = await self._run(
             [
                 ("renew", [names.record(lease.key)], [str(lease.token), lease_ms])
-                for lease in _claims(leases)
+                if lease.kind == CLAIM
+                else ("slot_lease", [names.slot(lease.key)], [str(lease.token), lease_ms])
+                for lease in _known(leases)
             ]
         )
         return [result == 1 for result in results]
@@ -105,7 +108,9 @@ class Renewals:
         await self._run(
             [
                 ("release", [names.record(lease.key)], [str(lease.token), names.channel, lease.key])
-                for lease in _claims(leases)
+                if lease.kind == CLAIM
+                else ("slot_lease", [names.slot(lease.key)], [str(lease.token), 0])
+                for lease in _known(leases)
             ]
         )
 
@@ -120,8 +125,8 @@ class Renewals:
         return await self._execute(self._client, commands)
 
 
-def _claims(leases: Sequence[Lease]) -> Sequence[Lease]:
+def _known(leases: Sequence[Lease]) -> Sequence[Lease]:
     for lease in leases:
-        if lease.kind != CLAIM:
+        if lease.kind != CLAIM and lease.kind != SLOT:
             raise StoreError(f"the Redis store cannot renew a {lease.kind!r} lease")
     return leases

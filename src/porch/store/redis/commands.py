@@ -13,9 +13,9 @@ from typing import Any, cast
 
 from ...errors import StoreError
 from .._heads import PARTS_HEADER, join_parts, split_parts
-from .._leases import CLAIM, HeldLeases
+from .._leases import CLAIM, SLOT, HeldLeases
 from ..algorithms import TAGS
-from ..alike import fill_decided
+from ..alike import fill_decided, fill_slots
 from ..base import (
     Claim,
     Hit,
@@ -28,6 +28,7 @@ from ..base import (
     Settle,
     StoredResponse,
     StoreOp,
+    Vacate,
 )
 from .keys import KeyNames
 
@@ -74,7 +75,15 @@ def command(
             args += [0 if algorithms is None else TAGS[algorithms[i]], amount, window, bursts[i]]
             if type(op) is Settle:
                 args += [op.deltas[i], op.stamps[i]]
+        if type(op) is Hit and op.slots:
+            # Concurrency slots (_slots.lua): the slot keys' sets after the counters;
+            # the lease, the caps and how many after the counters' arguments.
+            args += [lease_ms, *op.caps, len(op.slots)]
+            keys = [names.counter(k) for k in op.keys] + [names.slot(k) for k in op.slots]
+            return ("slot_hits", keys, args)
         return ("counters", [names.counter(k) for k in op.keys], args)
+    if type(op) is Vacate:
+        return ("vacate", [names.slot(k) for k in op.slots], [str(op.token)])
     if type(op) is Lookup:
         return (None, [names.record(op.key)], list(_FIELDS))
     if type(op) is Claim:
@@ -127,17 +136,30 @@ def settle(
     ``wall``: the decisions' wall time when a test clock took them (None: the server's)."""
     if type(op) is Hit:
         # result: how many of the alike hits were allowed, the time, then per limit its
-        # count, previous count and start (or arrival time) before them.
+        # count, previous count and start (or arrival time) before them; for slots, per
+        # slot key the requests in flight before them, and the first of their tokens.
         t = float(result[1])
+        group = alike if alike is not None else (op,)
+        end = 2 + 3 * len(op.keys)
         fill_decided(
-            alike if alike is not None else (op,),
+            group,
             int(result[0]),
-            result[2::3],
-            result[3::3],
-            [float(s) for s in result[4::3]],
+            result[2:end:3],
+            result[3:end:3],
+            [float(s) for s in result[4:end:3]],
             t,
             t if wall is None else wall,
         )
+        if op.slots:
+            allowed, first = int(result[0]), int(result[-1])
+            tokens = list(range(first, first + allowed))
+            fill_slots(group, allowed, [int(n) for n in result[end:-1]], tokens)
+            for token in tokens:
+                for key in op.slots:
+                    held.hold(SLOT, key, token)
+    elif type(op) is Vacate:
+        for key in op.slots:
+            held.end(SLOT, key, op.token)
     elif type(op) is Lookup:
         digest, status, headers, body = result
         op.result = None if digest is None else _stored(digest, status, headers, body)

@@ -53,6 +53,13 @@ class KeyNames:
         source = parts[1] + _US + parts[3] if len(parts) == 4 and parts[0] == "rl" else key
         return _encode(f"{self.prefix}:k:{_tag(source)}:{key}")
 
+    def slot(self, key: str) -> bytes:
+        # A concurrency cap's key has a counter key's form: the same tag as the rule's
+        # counters of that level (``:s:``, a sorted set of the requests in flight).
+        parts = key.split(_US, 3)
+        source = parts[1] + _US + parts[3] if len(parts) == 4 and parts[0] == "rl" else key
+        return _encode(f"{self.prefix}:s:{_tag(source)}:{key}")
+
     def record(self, key: str) -> bytes:
         # porch's idempotency keys are scope US key: tag by scope, like its quota.
         return _encode(f"{self.prefix}:r:{_tag(key.split(_US, 1)[0])}:{key}")

@@ -41,7 +41,29 @@ def load_scripts() -> dict[str, Script]:
         )
         name = filename.removesuffix(".lua")
         found[name] = Script(name, source, hashlib.sha1(source).hexdigest())
+    source = slot_hits(found["counters"].source, files["_slots.lua"])
+    found["slot_hits"] = Script("slot_hits", source, hashlib.sha1(source).hexdigest())
     return found
+
+
+# Where _slots.lua's two steps go into counters.lua (each exactly once): its limits are
+# the KEYS before the slot keys, a hit's count is capped before its limits are read, and
+# its slots are taken once its limits let it through, before the reply.
+_SLOT_STEPS = (
+    (b"local L = #KEYS\n", b"local L = #KEYS - SLOTS\n"),
+    (b"local k = m\n", b"local k = admit(m)\n"),
+    (b"\nreturn out\n", b"\nadmitted(k, out)\nreturn out\n"),
+)
+
+
+def slot_hits(counters: bytes, slots: bytes) -> bytes:
+    """The script deciding hits that take concurrency slots: counters.lua with the slots'
+    steps (_slots.lua) put around its decision, so the rule is written once."""
+    for old, new in _SLOT_STEPS:
+        if counters.count(old) != 1:
+            raise RuntimeError(f"counters.lua has changed: {old!r} is not in it once")
+        counters = counters.replace(old, new)
+    return slots + counters
 
 
 def library(filename: str) -> bytes:

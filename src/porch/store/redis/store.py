@@ -31,7 +31,7 @@ from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
 from .._leases import Heartbeat, HeldLeases
 from .._watches import Watches
-from ..alike import collapse_hits, refuse_slots
+from ..alike import collapse_hits
 from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
@@ -168,6 +168,9 @@ class RedisStore:
             admin=self.admin,
             algorithms=frozenset(ALGORITHMS),
             parts=self._parts,
+            # Leases renewed by the heartbeat (_slots.lua): a dead holder's within `lease`.
+            slots=True,
+            slot_lease=float(lease),
         )
         self._subscription = Subscription(self.names.channel)
         self.claims = Watches(
@@ -323,7 +326,6 @@ class RedisStore:
         group = self._group
         if group is None:
             raise StoreError("the Redis store is not open")
-        refuse_slots(ops, "Redis")
         # Alike hits (one client of one rule) go as one script call with a count.
         sent, alike = collapse_hits(ops)
         names, lease_ms, clock = self.names, self._lease_ms, self.clock
