@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from porch import (
     ClientIdentity,
+    Concurrency,
     IdempotencyMiddleware,
     IdempotencyRule,
     KeyPool,
@@ -49,6 +50,9 @@ VARIANTS = (
     "limiter-power",
     "limiter-postgres",
     "limiter-redis",
+    "limiter-concurrency",
+    "limiter-concurrency-postgres",
+    "limiter-concurrency-redis",
     "idempotency",
     "idempotency-postgres",
     "idempotency-redis",
@@ -57,7 +61,19 @@ VARIANTS = (
     "peer-idempotency",
 )
 
-LIMITERS = ("limiter", "limiter-ietf", "limiter-power", "limiter-postgres", "limiter-redis")
+LIMITERS = (
+    "limiter",
+    "limiter-ietf",
+    "limiter-power",
+    "limiter-postgres",
+    "limiter-redis",
+    "limiter-concurrency",
+    "limiter-concurrency-postgres",
+    "limiter-concurrency-redis",
+)
+# The -concurrency rows' cap: above any connection count a run uses, so it refuses
+# nothing and the row measures what taking and freeing a slot costs.
+CAP = 10_000
 
 # Far above anything a run can send: the limiter counts every request, refuses none.
 HUGE = 1_000_000_000
@@ -163,7 +179,11 @@ def create() -> Starlette:
         app.add_middleware(
             RateLimitMiddleware,
             pool=pool,
-            rules=Rule(Limit(HUGE, window)),
+            rules=Rule(
+                [Limit(HUGE, window), Concurrency(CAP)]
+                if "-concurrency" in variant
+                else Limit(HUGE, window)
+            ),
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
             # Only where it differs: benchmarks/ab.py runs this file over older trees too.

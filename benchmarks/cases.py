@@ -83,6 +83,13 @@ CASES = (
         'porch limiter, headers="ietf" (the draft\'s two fields, no X-RateLimit-*)',
     ),
     Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
+    Case(
+        "limiter-concurrency",
+        "limiter-concurrency",
+        GET,
+        "bare",
+        "porch limiter with a concurrency cap too (a slot taken and freed per request)",
+    ),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),
     Case(
         "slowapi-redis",
@@ -106,6 +113,14 @@ CASES = (
         GET,
         "bare",
         "porch limiter, Redis store (appendfsync everysec)",
+        redis="everysec",
+    ),
+    Case(
+        "limiter-concurrency-redis",
+        "limiter-concurrency-redis",
+        GET,
+        "bare",
+        "porch limiter with a concurrency cap, Redis store (appendfsync everysec)",
         redis="everysec",
     ),
     Case(
@@ -200,6 +215,14 @@ CASES = (
         GET,
         "bare",
         "porch limiter on PostgreSQL (loopback, synchronous_commit on)",
+        postgres=True,
+    ),
+    Case(
+        "limiter-concurrency-postgres",
+        "limiter-concurrency-postgres",
+        GET,
+        "bare",
+        "porch limiter with a concurrency cap on PostgreSQL (loopback, synchronous_commit on)",
         postgres=True,
     ),
     Case(

@@ -312,3 +312,70 @@ def _scope() -> Scope:
         "server": ("test", 80),
         "scheme": "http",
     }
+
+
+@pytest.mark.parametrize(
+    ("style", "expected"),
+    [
+        (
+            "both",
+            {
+                "x-ratelimit-limit": "5",
+                "x-ratelimit-remaining": "4",
+                "x-ratelimit-reset": str(int(WALL + 60)),
+                "ratelimit-policy": '"api";q=5;w=60, "one";q=2;qu="concurrent-requests"',
+                "ratelimit": '"api";r=4;t=60, "one";r=1;t=1',
+            },
+        ),
+        (
+            "ietf",
+            {
+                "ratelimit-policy": '"api";q=5;w=60, "one";q=2;qu="concurrent-requests"',
+                "ratelimit": '"api";r=4;t=60, "one";r=1;t=1',
+            },
+        ),
+        (
+            "x-ratelimit",
+            {
+                "x-ratelimit-limit": "5",
+                "x-ratelimit-remaining": "4",
+                "x-ratelimit-reset": str(int(WALL + 60)),
+            },
+        ),
+        ("none", {}),
+    ],
+)
+async def test_each_header_style_with_a_cap(
+    pool: KeyPool, style: Any, expected: dict[str, str]
+) -> None:
+    handler = Handler()
+    handler.go.set()
+    rule = Rule([Limit(5, 60, name="api"), Concurrency(2, name="one")])
+    app = RateLimitMiddleware(handler, pool=pool, rules=rule, headers=style)
+    # The same fields with a second rate limit (the general path): its items in between.
+    wide = RateLimitMiddleware(
+        handler,
+        pool=pool,
+        rules=Rule(
+            [Limit(5, 60, name="api"), Limit(9, 60, name="b"), Concurrency(2, name="one")],
+            name="wide",
+        ),
+        headers=style,
+    )
+    fields = (
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+        "ratelimit-policy",
+        "ratelimit",
+    )
+    async with client(app) as c, client(wide) as w:
+        one = await c.get("/")
+        two = await w.get("/")
+    assert {k: v for k, v in one.headers.items() if k in fields} == expected
+    general = {k: v for k, v in two.headers.items() if k in fields}
+    if "ratelimit" in expected:
+        assert general["ratelimit"] == '"api";r=4;t=60, "b";r=8;t=60, "one";r=1;t=1'
+    assert {k: v for k, v in general.items() if k.startswith("x-")} == {
+        k: v for k, v in expected.items() if k.startswith("x-")
+    }

@@ -355,9 +355,35 @@ def _decide_holding(
     caps = compiled.caps
     n = len(caps)
     remaining = hit.remaining
-    t = [_ceil(min(r, c)) or 1 for r, c in zip(hit.next, caps, strict=True)]
     slot_caps = compiled.slot_caps
     in_flight = hit.in_flight or [0] * len(slot_caps)
+    if hit.allowed and n == 1 and len(slot_caps) == 1:
+        # The common case (one rate limit, one cap, allowed), as decide()'s fast path.
+        cap = caps[0]
+        reset = hit.next[0]
+        t0 = _ceil(reset if reset < cap else cap) or 1
+        left = remaining[0]
+        spare = slot_caps[0] - in_flight[0]
+        style = compiled.style
+        quick: list[tuple[bytes, bytes]] = []
+        if style == "both" or style == "x-ratelimit":
+            whole = hit.full[0]
+            quick = [
+                compiled.limit_header,
+                (b"x-ratelimit-remaining", b"%d" % left),
+                (b"x-ratelimit-reset", b"%d" % _ceil(hit.wall + (whole if whole < cap else cap))),
+            ]
+        if style == "both" or style == "ietf":
+            status = b"%s%d;t=%d, %s%d;t=1" % (
+                compiled.status_prefixes[0],
+                left,
+                t0,
+                compiled.slot_status[0],
+                spare if spare > 0 else 0,
+            )
+            quick += [compiled.policy_pair, (b"ratelimit", status)]
+        return quick, None
+    t = [_ceil(min(r, c)) or 1 for r, c in zip(hit.next, caps, strict=True)]
     free = [cap - f if f < cap else 0 for cap, f in zip(slot_caps, in_flight, strict=True)]
     status = b", ".join(
         [compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)]

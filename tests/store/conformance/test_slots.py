@@ -82,7 +82,7 @@ async def test_slots_are_all_or_nothing_with_the_rate_limits(backend: Backend) -
     await store.apply([second])
     assert (first.allowed, used(first), first.in_flight) == (True, [1], [1])
     assert (second.allowed, used(second), second.in_flight) == (False, [1], [1])
-    assert second.fits == [True]  # the rate limit had room: the slot refused it
+    assert list(second.fits) == [True]  # the rate limit had room: the slot refused it
     await vacate(store, first)
     for _ in range(2):
         ok = request()
@@ -92,7 +92,7 @@ async def test_slots_are_all_or_nothing_with_the_rate_limits(backend: Backend) -
     # The rate limit refuses: no slot is taken, so a slot-only request still finds it free.
     over = request()
     await store.apply([over])
-    assert (over.allowed, used(over), over.fits, over.in_flight, over.token) == (
+    assert (over.allowed, used(over), list(over.fits), over.in_flight, over.token) == (
         False,
         [3],
         [False],

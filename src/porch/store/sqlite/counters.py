@@ -105,10 +105,16 @@ def _name_ids(
 
 
 def apply_lone_hit(
-    conn: sqlite3.Connection, hit: Hit, now: float, wall: float, known: dict[str, int]
+    conn: sqlite3.Connection,
+    hit: Hit,
+    now: float,
+    wall: float,
+    known: dict[str, int],
+    slots: SQLiteSlots | None = None,
 ) -> int:
-    """A batch of one fixed-window hit on one limit: apply_counters's rows and verdict,
-    with one row read and at most one statement written; 1 if it created the row."""
+    """A batch of one fixed-window hit on one limit (and any concurrency caps, ``slots``):
+    apply_counters's rows and verdict, with one row read and at most one statement
+    written; 1 if it created the row."""
     key = hit.keys[0]
     prefix, client = split_key(key)
     name = known.get(prefix)
@@ -118,22 +124,27 @@ def apply_lone_hit(
     amount = hit.amounts[0]
     window = hit.windows[0]
     cost = hit.cost
-    if row is None or row[3] != FIXED or now >= row[2] or now >= row[1] + window:
-        # A fresh window; an elapsed one (or another algorithm's row) is overwritten in
-        # place, and only by an allowed hit.
-        count, start = 0, now
-        allowed = cost <= amount
-        if allowed:
-            count = cost
+    fresh = row is None or row[3] != FIXED or now >= row[2] or now >= row[1] + window
+    # A fresh window; an elapsed one (or another algorithm's row) is overwritten in place,
+    # and only by an allowed hit.
+    count, start = (0, now) if fresh else (row[0], row[1])
+    fit = count + cost <= amount
+    allowed = fit
+    if hit.slots is not None:
+        if slots is None:
+            raise StoreError("this SQLite store takes no concurrency slots")
+        if slots.count(conn, hit) and fit:
+            slots.take(hit)
+        else:
+            allowed = False
+    if allowed:
+        count += cost
+        if fresh:
             conn.execute(_UPSERT_COUNTER, (name, client, count, now, now + window, wall, 0, FIXED))
-    else:
-        count, start = row[0], row[1]
-        allowed = count + cost <= amount
-        if allowed:
-            count += cost
+        else:
             conn.execute(_UPDATE_COUNT, (count, name, client))
     hit.allowed = allowed
-    hit.fits = _FITS if allowed else _REFUSED
+    hit.fits = _FITS if fit else _REFUSED
     hit.remaining = [amount - count if count < amount else 0]
     # A fixed window's next, full and retry are all its end: one list, read only.
     hit.next = hit.full = hit.retry = [start + window - now]
@@ -252,18 +263,26 @@ def apply_counters(
             continue
         hit = op
         cost = hit.cost
-        if hit.slots is not None:
-            created += _decide(hit, rows, now, wall, cost, conn, slots)
-            continue
         if hit.algorithms is None and len(hit.keys) == 1:
-            # One fixed window (the common rule): no per-limit lists to build.
+            # One fixed window (the common rule; with a concurrency cap or not): no
+            # per-limit lists to build.
             key = hit.keys[0]
             amount = hit.amounts[0]
             window = hit.windows[0]
             row = rows.get(key)
-            if row is None or row[6] != FIXED or now >= row[2] or now >= row[1] + window:
+            stale = row is None or row[6] != FIXED or now >= row[2] or now >= row[1] + window
+            allowed = (0 if stale or row is None else row[0]) + cost <= amount
+            if hit.slots is not None:
+                # Counted whatever the rate limit says (the headers report them); taken
+                # only with the units: all or nothing.
+                if slots is None:
+                    raise StoreError("this SQLite store takes no concurrency slots")
+                if slots.count(conn, hit) and allowed:
+                    slots.take(hit)
+                else:
+                    allowed = False
+            if stale or row is None:
                 fresh: list[Any] = [0, now, now + window, wall, _WINDOW, 0, FIXED]
-                allowed = cost <= amount
                 if allowed:
                     if row is None:
                         created += 1
@@ -271,22 +290,20 @@ def apply_counters(
                     row[0] = cost
                 else:
                     row = fresh
-            else:
-                allowed = row[0] + cost <= amount
-                if allowed:
-                    row[0] += cost
-                    if row[4] == _CLEAN:
-                        row[4] = _COUNT
+            elif allowed:
+                row[0] += cost
+                if row[4] == _CLEAN:
+                    row[4] = _COUNT
             count = row[0]
             hit.allowed = allowed
-            hit.fits = _FITS if allowed else _REFUSED
+            hit.fits = _FITS if count + (0 if allowed else cost) <= amount else _REFUSED
             hit.remaining = [amount - count if count < amount else 0]
             hit.next = hit.full = hit.retry = [row[1] + window - now]
             hit.stamp = [row[1]]
             hit.wall = wall
             continue
-        if len(hit.keys) != 1:
-            created += _decide(hit, rows, now, wall, cost, conn, None)
+        if hit.slots is not None or len(hit.keys) != 1:
+            created += _decide(hit, rows, now, wall, cost, conn, slots)
             continue
         # One limit of another algorithm: _decide's steps without per-limit lists.
         key, amount, window = hit.keys[0], hit.amounts[0], hit.windows[0]

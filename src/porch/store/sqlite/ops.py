@@ -72,10 +72,15 @@ def apply_batch(
     """
     if len(ops) == 1:
         op = ops[0]
-        if type(op) is Hit and len(op.keys) == 1 and op.algorithms is None and op.slots is None:
+        if (
+            type(op) is Hit
+            and len(op.keys) == 1
+            and op.algorithms is None
+            and (op.slots is None or slots is not None)
+        ):
             # The uncontended request's batch (see KeyPool.apply_now): the same rows and
             # verdict as _apply_counters, without its per-batch sets, dicts and SQL text.
-            created = apply_lone_hit(conn, op, now, wall, {} if names is None else names)
+            created = apply_lone_hit(conn, op, now, wall, {} if names is None else names, slots)
             # The same prunes, each run only when the index shows it has a row to
             # delete: one two-probe statement instead of two DELETEs that find nothing.
             responses, counts = conn.execute(_ANY_EXPIRED, (now,)).fetchone()
@@ -83,6 +88,16 @@ def apply_batch(
                 conn.execute(_PRUNE_RESPONSES, (now, prune))
             if counts:
                 prune_counters(conn, now, max(prune, 2 * created))
+            if slots is not None:
+                slots.write(conn)
+            return
+    if slots is not None and ops and type(ops[0]) is Vacate:
+        vacates = [op for op in ops if isinstance(op, Vacate)]
+        if len(vacates) == len(ops):
+            # Freed slots (responses ended) write this holder's rows and nothing else.
+            for vacate in vacates:
+                slots.vacate(vacate)
+            slots.write(conn)
             return
     counters: list[Hit | Settle | Vacate] = []
     reads: list[Claim | Lookup] = []

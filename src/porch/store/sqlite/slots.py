@@ -75,34 +75,34 @@ class SQLiteSlots:
         # or one of a hit an earlier holder allowed, frees nothing).
         self._tokens: set[int] = set()
         self._serial = 0
-        self._taken: list[tuple[int, str]] = []  # slots taken by the transaction under way
-        self._freed: list[tuple[int, str]] = []  # slots it freed
+        # Per hit: the slots taken by the transaction under way, and those it freed.
+        self._taken: list[tuple[int, Sequence[str]]] = []
+        self._freed: list[tuple[int, Sequence[str]]] = []
         # Per transaction: live slots of other holders per key, and the holders looked at.
         self._foreign: dict[str, int] = {}
         self._alive: dict[int, bool] = {}
 
-    def holder(self) -> int:
-        """This open's holder id (taking it, and its lock, the first time)."""
+    def _take_holder(self) -> int:
+        """A holder id for this open, its lock taken (at the first slot)."""
         locks = self.locks
         if locks is None:
-            if not self._holder:
-                self._holder = 1  # per process: no lock, no rows
-            return self._holder
-        if self._holder:
-            locks.file()  # opens a descriptor of its own in a forked child
-            if self._opened == locks.opened:
-                return self._holder
-        # First slot, or the descriptor changed (closed, or this is a forked child): the
-        # old holder's lock is gone, and with it every slot it held.
-        self.close()
-        self._holder = locks.take_holder()
-        self._opened = locks.opened
+            self._holder = 1  # per process: no lock, no rows
+        else:
+            self._holder = locks.take_holder()
+            self._opened = locks.opened
         return self._holder
 
     def begin(self) -> None:
-        """A transaction starts: other holders' rows may have changed since the last."""
+        """A transaction starts: other holders' rows may have changed since the last, and
+        this holder's lock may be gone (the lock file was closed, or this is a forked
+        child: the descriptor is not the one the lock was taken on), and its slots with it."""
         self._foreign.clear()
         self._alive.clear()
+        locks = self.locks
+        if self._holder and locks is not None:
+            locks.file()  # opens a descriptor of its own in a forked child
+            if self._opened != locks.opened:
+                self.close()
 
     def pending(self) -> bool:
         """Whether rows wait to be written (a transaction that freed slots rolled back)."""
@@ -114,21 +114,28 @@ class SQLiteSlots:
         """Fill ``hit.in_flight`` (as things stand, without this hit); whether a free slot
         waits under every one of its keys."""
         slots = hit.slots or ()
+        if len(slots) == 1:  # one cap (the common rule): no comprehensions
+            n = self._count(conn, slots[0])
+            hit.in_flight = [n]
+            return n < hit.caps[0]
         in_flight = [self._count(conn, key) for key in slots]
         hit.in_flight = in_flight
         return all(n < cap for n, cap in zip(in_flight, hit.caps, strict=True))
 
     def take(self, hit: Hit) -> None:
         """Take one slot of each of the hit's keys (:meth:`count` said they are free)."""
-        self.holder()
+        if not self._holder:
+            self._take_holder()
         self._serial += 1
         token = self._serial
         self._tokens.add(token)
         mine = self._mine
-        for key in hit.slots or ():
+        dirty = self._dirty
+        slots = hit.slots or ()
+        for key in slots:
             mine[key] = mine.get(key, 0) + 1
-            self._dirty.add(key)
-            self._taken.append((token, key))
+            dirty.add(key)
+        self._taken.append((token, slots))
         hit.in_flight = [n + 1 for n in hit.in_flight]
         hit.token = token
 
@@ -147,7 +154,7 @@ class SQLiteSlots:
             else:
                 mine.pop(key, None)
             self._dirty.add(key)
-            self._freed.append((token, key))
+        self._freed.append((token, op.slots))
 
     def keep(self, ops: Sequence[StoreOp]) -> None:
         """The transaction of ``ops`` failed and is not retried: their vacates stand all the
@@ -180,15 +187,17 @@ class SQLiteSlots:
         """The transaction rolled back: it took and freed nothing (the rows are as they were;
         the keys stay dirty, so the next transaction writes them whatever they hold)."""
         mine = self._mine
-        for token, key in self._taken:
-            held = mine.get(key, 0)
-            if held > 1:
-                mine[key] = held - 1
-            else:
-                mine.pop(key, None)
+        for token, keys in self._taken:
+            for key in keys:
+                held = mine.get(key, 0)
+                if held > 1:
+                    mine[key] = held - 1
+                else:
+                    mine.pop(key, None)
             self._tokens.discard(token)
-        for token, key in self._freed:
-            mine[key] = mine.get(key, 0) + 1
+        for token, keys in self._freed:
+            for key in keys:
+                mine[key] = mine.get(key, 0) + 1
             self._tokens.add(token)
         self._taken.clear()
         self._freed.clear()
