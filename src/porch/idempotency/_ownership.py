@@ -428,10 +428,7 @@ class Complete(Call):
         try:
             await shard.store.apply([self.op])
         except Exception as exc:
-            error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
-            if error is not exc:
-                logger.error("porch shard %d: unexpected failure", shard.index, exc_info=exc)
-            self._failed(shard, error)
+            self._failed(shard, shard.store_error(exc))
             return
         if metrics is not None:
             metrics.committed(loop.time() - started, 1)

@@ -272,11 +272,17 @@ class Shard:
                 logger.exception("porch shard %d: a reply failed", self.index)
         self._report_state()
 
+    def store_error(self, exc: BaseException) -> StoreError:
+        """What a caller is told when applying failed: the store's StoreError as it is,
+        anything else (a bug) logged with its traceback and told as a StoreError."""
+        if isinstance(exc, StoreError):
+            return exc
+        logger.error("porch shard %d: unexpected failure", self.index, exc_info=exc)
+        return StoreError(repr(exc))
+
     def _fail(self, batch: list[Call], exc: BaseException) -> None:
         """Fail every call of a batch whose transaction failed."""
-        error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
-        if error is not exc:
-            logger.error("porch shard %d: unexpected failure", self.index, exc_info=exc)
+        error = self.store_error(exc)
         for call in batch:
             try:
                 call.fail(self, error)
