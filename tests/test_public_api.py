@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -110,3 +111,36 @@ def test_every_error_says_when_it_is_raised() -> None:
 
 def test_configuration_error_is_a_value_error() -> None:
     assert issubclass(porch.ConfigurationError, ValueError)
+
+
+PUBLIC_MODULES = [
+    "porch",
+    "porch.clock",
+    "porch.errors",
+    "porch.identity",
+    "porch.metrics",
+    "porch.pool",
+    "porch.ratelimit",
+    "porch.idempotency",
+    "porch.store",
+    "porch.integrations.starlette",
+    "porch.integrations.fastapi",
+    "porch.integrations.wsgi",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_every_public_name_is_exported_sorted_and_documented(name: str) -> None:
+    """httpx's test_exported_members, for each public module: __all__ is sorted (as ruff's
+    RUF022 sorts it: constants, classes, then the rest), every name in it exists, and every
+    exported class and function says what it is."""
+    module = importlib.import_module(name)
+    assert module.__doc__, f"{name} has no docstring"
+    exported = list(module.__all__)
+    order = sorted(exported, key=lambda n: (0 if n.isupper() else 1 if n[:1].isupper() else 2, n))
+    assert exported == order, f"{name}.__all__ is not sorted"
+    for member in exported:
+        assert hasattr(module, member), f"{name}.{member} is exported but missing"
+        value = getattr(module, member)
+        if callable(value) and (inspect.isclass(value) or inspect.isfunction(value)):
+            assert inspect.getdoc(value), f"{name}.{member} has no docstring"
