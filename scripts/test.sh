@@ -41,8 +41,15 @@ ruff format --check src tests benchmarks examples
 echo "== mypy --strict" >&2
 mypy
 echo "== pytest" >&2
-python -m pytest "$@"
-# The whole suite (no selection given): the integrations on the oldest supported frameworks too.
 if [ $# -eq 0 ] || [ "$*" = "-q" ]; then
+    # The whole suite: with coverage (every process it starts), then the integrations on
+    # the oldest supported frameworks.
+    rm -rf .coverage && mkdir .coverage
+    python -m coverage run -m pytest "$@"
+    python -m coverage combine -q
+    echo "== coverage of src/porch (lines and branches; python -m coverage report for each file)" >&2
+    python -m coverage report --format=total | sed 's/$/%/'
     ./scripts/oldest.sh -q
+else
+    exec python -m pytest "$@"
 fi

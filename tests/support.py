@@ -17,10 +17,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from porch.pool._shard import Call, Shard
+from porch.store.base import Hit, StoreOp
 from porch.store.sqlite import SQLiteStore
 
 __all__ = [
     "HOSTILE_BODIES",
+    "HitCall",
     "NoClaims",
     "in_thread",
     "settle",
@@ -150,3 +153,23 @@ def through_apply(store: SQLiteStore, **changes: Any) -> None:
     overrides it to hold batches back: without SQLite's inline and callback commits
     (Capabilities.apply_now, apply_then), which would pass the override by."""
     store.capabilities = replace(store.capabilities, apply_then=None, apply_now=None, **changes)
+
+
+class HitCall(Call):
+    """A hit sent straight to a pool's shard (``pool.submit(key, HitCall(hit))``): its future
+    gets the hit once committed; ``finished``, if given, records the answer order."""
+
+    __slots__ = ("finished", "hit")
+
+    def __init__(self, hit: Hit, finished: list[HitCall] | None = None) -> None:
+        super().__init__(asyncio.get_running_loop().create_future())
+        self.hit = hit
+        self.finished = finished
+
+    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
+        ops.append(self.hit)
+
+    def finish(self, shard: Shard) -> None:
+        if self.finished is not None:
+            self.finished.append(self)
+        self.future.set_result(self.hit)

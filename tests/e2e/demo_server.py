@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
+from servers import free_port
+
 # The demo's counter key for a client C is DEMO_KEY_PREFIX + C (rule "default", limit "demo").
 DEMO_KEY_PREFIX = "rl\x1fdefault\x1fdemo\x1f"
 STARTUP_TIMEOUT = 15.0
@@ -44,14 +46,6 @@ _FAKETIME_LIBS = (
     "/usr/lib/faketime/libfaketime.so.1",
     "/usr/local/lib/faketime/libfaketime.so.1",
 )
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def libfaketime() -> str | None:
@@ -217,6 +211,10 @@ class DemoServer:
                     pytest.fail(
                         f"porch demo exited with {proc.returncode} before serving\n" + self.output()
                     )
+                if self.uds is not None and not os.path.exists(self.uds):
+                    # Not listening yet: httpx would leak the socket of a failed connect.
+                    time.sleep(0.05)
+                    continue
                 try:
                     response = client.get(f"{self.base_url}/health")
                 except httpx.HTTPError as exc:

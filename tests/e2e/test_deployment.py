@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_server import free_port
+
+from servers import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from demo_server import free_port
+
+from servers import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -34,7 +34,6 @@ import pytest
 from app_flaky import DATA_ENV, EXECUTIONS_FILE, STORE_ENV
 from demo_server import (
     DemoLauncher,
-    free_port,
     launch_demos,
     order_rows,
     orders_count,
@@ -42,7 +41,7 @@ from demo_server import (
     source_port,
 )
 
-from servers import running_postgres, running_redis
+from servers import free_port, running_postgres, running_redis
 from support import sqlite_claims
 
 pytestmark = [pytest.mark.e2e]

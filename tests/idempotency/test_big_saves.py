@@ -12,11 +12,11 @@ import pytest
 
 from porch.errors import StoreError
 from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
-from porch.pool._pool import Call, KeyPool, Shard
+from porch.pool._pool import Call, KeyPool
 from porch.store.base import Hit, Lookup, Save, StoredResponse, StoreOp
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.saves import BLOB_ABOVE
-from support import through_apply
+from support import HitCall, through_apply
 
 pytestmark = pytest.mark.anyio
 
@@ -42,20 +42,6 @@ class HeldSaves(SQLiteStore):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.release.wait(), 2 * DEADLINE)
         await super().apply(ops)
-
-
-class HitCall(Call):
-    __slots__ = ("hit",)
-
-    def __init__(self, hit: Hit) -> None:
-        super().__init__(asyncio.get_running_loop().create_future())
-        self.hit = hit
-
-    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        ops.append(self.hit)
-
-    def finish(self, shard: Shard) -> None:
-        self.future.set_result(self.hit)
 
 
 async def own(pool: KeyPool) -> Acquire:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from starlette.websockets import WebSocket
 from porch import KeyPool, RateLimitMiddleware, Rule, SQLiteStore
 from porch._types import Message
 from porch.integrations.starlette import install, limit
+from servers import free_port
 
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.asyncio.client")
@@ -37,13 +37,6 @@ def make_app(pool: KeyPool) -> Any:
     install(app, pool, manage_pool=False)
     # An app-level rule that opted in for handshakes, beside the route limit.
     return RateLimitMiddleware(app, pool=pool, rules=Rule("1/minute", path="/feed", websocket=True))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture

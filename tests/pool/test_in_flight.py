@@ -9,7 +9,7 @@ import pytest
 
 from porch.errors import PoolClosedError, StoreError
 from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
-from porch.pool._pool import Call, KeyPool, Shard
+from porch.pool._pool import KeyPool
 from porch.store.base import (
     Capabilities,
     Claims,
@@ -19,25 +19,9 @@ from porch.store.base import (
     StoreStatistics,
 )
 from porch.store.sqlite import SQLiteStore
-from support import NoClaims, settle, through_apply, until
+from support import HitCall, NoClaims, settle, through_apply, until
 
 pytestmark = pytest.mark.anyio
-
-
-class HitCall(Call):
-    __slots__ = ("finished", "hit")
-
-    def __init__(self, hit: Hit, finished: list[HitCall]) -> None:
-        super().__init__(asyncio.get_running_loop().create_future())
-        self.hit = hit
-        self.finished = finished
-
-    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        ops.append(self.hit)
-
-    def finish(self, shard: Shard) -> None:
-        self.finished.append(self)
-        self.future.set_result(self.hit)
 
 
 class Batch:

@@ -9,26 +9,12 @@ import pytest
 
 from porch._types import Message, Receive, Scope, Send
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
-from porch.pool._pool import Call, KeyPool, Shard
+from porch.pool._pool import KeyPool, Shard
 from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
-from support import NoClaims, settle, until
+from support import HitCall, NoClaims, settle, until
 
 pytestmark = pytest.mark.anyio
-
-
-class HitCall(Call):
-    __slots__ = ("hit",)
-
-    def __init__(self, hit: Hit) -> None:
-        super().__init__(asyncio.get_running_loop().create_future())
-        self.hit = hit
-
-    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        ops.append(self.hit)
-
-    def finish(self, shard: Shard) -> None:
-        self.future.set_result(self.hit)
 
 
 class GatedStore:

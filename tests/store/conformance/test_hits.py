@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from porch.pool._pool import Call, Shard
-from porch.store.base import Hit, Store, StoreOp
-from support import used
+from porch.store.base import Hit, Store
+from support import HitCall, used
 
 from .conftest import Backend
 
@@ -131,20 +130,6 @@ async def test_keys_and_windows_are_independent(backend: Backend) -> None:
     again = Hit(["ind:a"], [1], [60.0])
     await store.apply([a, b, again])
     assert (a.allowed, b.allowed, again.allowed) == (True, True, False)
-
-
-class HitCall(Call):
-    __slots__ = ("hit",)
-
-    def __init__(self, hit: Hit) -> None:
-        super().__init__(asyncio.get_running_loop().create_future())
-        self.hit = hit
-
-    def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
-        ops.append(self.hit)
-
-    def finish(self, shard: Shard) -> None:
-        self.future.set_result(self.hit)
 
 
 async def test_counts_are_exact_under_concurrent_callers_from_two_pools(backend: Backend) -> None:

@@ -205,6 +205,9 @@ def kill_mid_big_save(directory: Path) -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 async def test_kill_9_between_the_body_and_its_row_leaves_an_orphan_never_a_dangling_row(

@@ -97,6 +97,8 @@ def test_a_killed_owner_frees_its_key_at_once(tmp_path: Path) -> None:
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
 
 
 def test_offsets_are_stable_and_spread() -> None:
