@@ -22,6 +22,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
 fi
 echo "== pytest, oldest frameworks ($(.venv-oldest/bin/python -m pip list 2>/dev/null \
     | awk '$1 ~ /^(starlette|fastapi)$/ {printf "%s %s ", $1, $2}'))" >&2
+# Starlette 0.37's TestClient leaves anyio's memory streams unclosed (a ResourceWarning in
+# their __del__, an error under the suite's filterwarnings): not porch's, and only here.
 exec .venv-oldest/bin/python -m pytest -p no:cacheprovider "$@" \
+    -W "ignore:Unclosed <MemoryObject:ResourceWarning" \
     tests/integrations/test_fastapi.py tests/integrations/test_starlette.py tests/integrations/test_websocket.py \
     tests/ratelimit/test_middleware.py tests/idempotency/test_middleware.py
