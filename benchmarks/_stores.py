@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from _harness import free_port, pin
+
+if TYPE_CHECKING:
+    from cases import Case
 
 
 class Redis:
@@ -118,3 +123,18 @@ def _postgres_bin() -> Path | None:
         return found[-1].parent
     initdb = shutil.which("initdb")
     return Path(initdb).parent if initdb else None
+
+
+@contextlib.contextmanager
+def store_servers(cases: list[Case]) -> Iterator[dict[str, Any]]:
+    """The throwaway PostgreSQL and Redis servers the cases need (as bench.py), stopped after."""
+    servers: dict[str, Any] = {}
+    try:
+        if any(c.postgres for c in cases):
+            servers["postgres"] = Postgres()
+        for fsync in sorted({c.redis for c in cases if c.redis}):
+            servers[fsync] = Redis(appendfsync=fsync)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()

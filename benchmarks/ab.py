@@ -25,18 +25,16 @@ benchmarks/cpu.py. Prints; writes nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, Server, load
-from _stores import Postgres, Redis
+from _stores import store_servers
 from cases import CASES, GET, Case
 from cpu import thread_cpu
 from curves import keys_lua
@@ -61,21 +59,6 @@ def export(rev: str, into: Path) -> Path:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "src"
-
-
-@contextlib.contextmanager
-def store_servers(cases: list[Case]) -> Iterator[dict[str, Any]]:
-    """The throwaway PostgreSQL and Redis servers the cases need (as bench.py), stopped after."""
-    servers: dict[str, Any] = {}
-    try:
-        if any(c.postgres for c in cases):
-            servers["postgres"] = Postgres()
-        for fsync in sorted({c.redis for c in cases if c.redis}):
-            servers[fsync] = Redis(appendfsync=fsync)
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def measure(

@@ -38,7 +38,16 @@ from porch import (
     Rule,
     SQLiteStore,
 )
+from porch.ratelimit import settle
 from porch.store.base import Hit, Store, StoreOp
+
+# The policies' rows (each on SQLite, and with -postgres / -redis on those stores): the
+# same one-client rate as the fixed-window limiter, counted another way.
+POLICIES = tuple(
+    f"limiter-{policy}{store}"
+    for policy in ("sliding", "gcra", "levels", "settle")
+    for store in ("", "-postgres", "-redis")
+)
 
 VARIANTS = (
     "bare",
@@ -53,6 +62,7 @@ VARIANTS = (
     "limiter-concurrency",
     "limiter-concurrency-postgres",
     "limiter-concurrency-redis",
+    *POLICIES,
     "idempotency",
     "idempotency-postgres",
     "idempotency-redis",
@@ -64,12 +74,15 @@ VARIANTS = (
 LIMITERS = (
     "limiter",
     "limiter-ietf",
+    "limiter-ietf-postgres",
+    "limiter-ietf-redis",
     "limiter-power",
     "limiter-postgres",
     "limiter-redis",
     "limiter-concurrency",
     "limiter-concurrency-postgres",
     "limiter-concurrency-redis",
+    *POLICIES,
 )
 # The -concurrency rows' cap: above any connection count a run uses, so it refuses
 # nothing and the row measures what taking and freeing a slot costs.
@@ -136,6 +149,12 @@ def create() -> Starlette:
             await asyncio.sleep(io)  # the handler's "database query"
         return PlainTextResponse("Hello, world!", headers=headers)
 
+    async def hello_settled(request: Request) -> Response:
+        # The -settle rows: a reservation of SETTLE_RESERVED, the request reporting it cost
+        # 1, so the middleware applies a refund of the difference with every request.
+        settle(request, 1)
+        return PlainTextResponse("Hello, world!")
+
     async def order(request: Request) -> Response:
         body = await request.body()
         if io:
@@ -156,7 +175,7 @@ def create() -> Starlette:
         return JSONResponse(totals)
 
     routes = [
-        Route("/", hello),
+        Route("/", hello_settled if variant.startswith("limiter-settle") else hello),
         Route("/orders", order, methods=["POST"]),
         Route("/__stats", stats),
     ]
@@ -179,15 +198,11 @@ def create() -> Starlette:
         app.add_middleware(
             RateLimitMiddleware,
             pool=pool,
-            rules=Rule(
-                [Limit(HUGE, window), Concurrency(CAP)]
-                if "-concurrency" in variant
-                else Limit(HUGE, window)
-            ),
+            rules=_rule(variant, window),
             key=ClientIdentity(trust_hops=hops),
             exempt=("/__stats",),
             # Only where it differs: benchmarks/ab.py runs this file over older trees too.
-            **({"headers": "ietf"} if variant == "limiter-ietf" else {}),
+            **({"headers": "ietf"} if variant.startswith("limiter-ietf") else {}),
         )
     elif variant in ("idempotency", "idempotency-postgres", "idempotency-redis"):
         pool = KeyPool(store())
@@ -212,6 +227,37 @@ def create() -> Starlette:
         # collector's generations, so a full collection no longer walks it.
         gc.freeze()
     return app
+
+
+# What a -settle row reserves with each request before the handler reports 1.
+SETTLE_RESERVED = 4
+
+
+def _rule(variant: str, window: float) -> Rule:
+    """The limiter rows' rule: one rate far above the load, counted by the row's policy."""
+    policy = variant.removeprefix("limiter-").removesuffix("-postgres").removesuffix("-redis")
+    if policy == "concurrency":
+        return Rule([Limit(HUGE, window), Concurrency(CAP)])
+    if policy in ("sliding", "gcra"):
+        return Rule(Limit(HUGE, window, algorithm=policy))
+    if policy == "levels":
+        # Three levels, each its own counter in the one decision: the caller (the client
+        # key), its organisation (one for every caller here) and everyone.
+        return Rule(
+            [
+                Limit(HUGE, window),
+                Limit(HUGE, window, level="org"),
+                Limit(HUGE, window, level="global"),
+            ],
+            levels={"org": _org},
+        )
+    if policy == "settle":
+        return Rule(Limit(HUGE, window), cost=SETTLE_RESERVED, settle=True)
+    return Rule(Limit(HUGE, window))
+
+
+def _org(scope: Any) -> str:
+    return "acme"
 
 
 def _slowapi(routes: list[Route], hello: Any, storage: str) -> Starlette:

@@ -63,15 +63,15 @@ CASES = (
         "limiter-nostore",
         "limiter-nostore",
         GET,
-        "bare",
+        "bare-headers",
         "porch limiter's middleware over a pool that allows at once: no store, no hop",
     ),
-    Case("limiter", "limiter", GET, "bare", "porch limiter, durability=process (default)"),
+    Case("limiter", "limiter", GET, "bare-headers", "porch limiter, durability=process (default)"),
     Case(
         "limiter-frozen",
         "limiter",
         GET,
-        "bare",
+        "bare-headers",
         "porch limiter, the app calls gc.freeze() at start-up",
         env=FROZEN,
     ),
@@ -79,15 +79,15 @@ CASES = (
         "limiter-ietf",
         "limiter-ietf",
         GET,
-        "bare",
+        "bare-ietf-headers",
         'porch limiter, headers="ietf" (the draft\'s two fields, no X-RateLimit-*)',
     ),
-    Case("limiter-power", "limiter-power", GET, "bare", "porch limiter, durability=power"),
+    Case("limiter-power", "limiter-power", GET, "bare-headers", "porch limiter, durability=power"),
     Case(
         "limiter-concurrency",
         "limiter-concurrency",
         GET,
-        "bare",
+        "limiter",
         "porch limiter with a concurrency cap too (a slot taken and freed per request)",
     ),
     Case("slowapi-memory", "slowapi-memory", GET, "bare", "slowapi, in-memory storage"),
@@ -111,7 +111,7 @@ CASES = (
         "limiter-redis",
         "limiter-redis",
         GET,
-        "bare",
+        "bare-headers",
         "porch limiter, Redis store (appendfsync everysec)",
         redis="everysec",
     ),
@@ -119,7 +119,7 @@ CASES = (
         "limiter-concurrency-redis",
         "limiter-concurrency-redis",
         GET,
-        "bare",
+        "limiter-redis",
         "porch limiter with a concurrency cap, Redis store (appendfsync everysec)",
         redis="everysec",
     ),
@@ -127,7 +127,7 @@ CASES = (
         "limiter-redis-fsync",
         "limiter-redis",
         GET,
-        "bare",
+        "bare-headers",
         "porch limiter, Redis store with appendfsync always",
         redis="always",
     ),
@@ -213,7 +213,7 @@ CASES = (
         "limiter-postgres",
         "limiter-postgres",
         GET,
-        "bare",
+        "bare-headers",
         "porch limiter on PostgreSQL (loopback, synchronous_commit on)",
         postgres=True,
     ),
@@ -221,7 +221,7 @@ CASES = (
         "limiter-concurrency-postgres",
         "limiter-concurrency-postgres",
         GET,
-        "bare",
+        "limiter-postgres",
         "porch limiter with a concurrency cap on PostgreSQL (loopback, synchronous_commit on)",
         postgres=True,
     ),
@@ -278,5 +278,47 @@ CASES = (
     Case("bare-2w", "bare", GET, "bare-2w", "bare, 2 workers", workers=2),
     Case("limiter-2w", "limiter", GET, "bare-2w", "porch limiter, 2 workers", workers=2),
     Case("bare-4w", "bare", GET, "bare-4w", "bare, 4 workers", workers=4),
-    Case("limiter-4w", "limiter", GET, "bare-4w", "porch limiter, 4 workers", workers=4),
+    Case(
+        "bare-headers-4w",
+        "bare-headers",
+        GET,
+        "bare-4w",
+        "bare app sending the limiter's five headers itself, 4 workers",
+        workers=4,
+    ),
+    Case("limiter-4w", "limiter", GET, "bare-headers-4w", "porch limiter, 4 workers", workers=4),
+)
+
+# The policies (docs/policies/): each on every store, against the fixed-window limiter on
+# that store in the same round.
+_POLICIES = (
+    ("sliding", "a sliding window"),
+    ("gcra", "a gcra bucket"),
+    ("levels", "three levels (the caller, its org, everyone): three counters per request"),
+    ("settle", "a reservation settled lower by the handler (a refund with every request)"),
+)
+_STORES = (("", "SQLite"), ("-postgres", "PostgreSQL"), ("-redis", "Redis (everysec)"))
+CASES += tuple(
+    Case(
+        f"limiter-ietf{suffix}",
+        f"limiter-ietf{suffix}",
+        GET,
+        "bare-ietf-headers",
+        f'porch limiter, headers="ietf", {store}',
+        redis="everysec" if suffix == "-redis" else "",
+        postgres=suffix == "-postgres",
+    )
+    for suffix, store in _STORES[1:]
+) + tuple(
+    Case(
+        f"limiter-{policy}{suffix}",
+        f"limiter-{policy}{suffix}",
+        GET,
+        f"limiter{suffix}",
+        f"porch limiter, {what}, {store}",
+        redis="everysec" if suffix == "-redis" else "",
+        postgres=suffix == "-postgres",
+    )
+    for suffix, store in _STORES
+    for policy, what in _POLICIES
 )

@@ -35,6 +35,8 @@ def charts(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [c["connections"] for c in conc]
     ax.plot(xs, [c["bare"]["rps"] for c in conc], "o-", label="bare")
+    if all("bare-headers" in c for c in conc):  # curves.json from before it had the row
+        ax.plot(xs, [c["bare-headers"]["rps"] for c in conc], "o-", label="bare + the headers")
     ax.plot(xs, [c["limiter"]["rps"] for c in conc], "o-", label="porch limiter")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("connections")

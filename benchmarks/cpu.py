@@ -1,15 +1,18 @@
-"""Where a request's CPU goes: per-thread CPU time per request, under load.
+"""Where a request's time goes: per-thread CPU and store round trips per request, under load.
 
-    python benchmarks/cpu.py [--duration 5] [--out benchmarks/cpu.json]
+    python benchmarks/cpu.py [--duration 3] [--cases limiter,idem-first] [--out benchmarks/cpu.json]
 
-For each case a real uvicorn server (pinned to CPU 0) is loaded by wrk (CPU 1)
-at 64 connections; the kernel's per-thread CPU counters (/proc/<pid>/task)
-are read before and after, so the event loop's thread and the SQLite writer
-thread are reported apart, in microseconds of CPU per request. With the server
-on one core, their sum is what sets the throughput. It also counts the
-collections of CPython's cyclic garbage collector per 1000 requests (per
-generation), which a request that waits across loop iterations brings on.
-Writes benchmarks/cpu.json.
+For each case (bench.py's rows, benchmarks/cases.py: the limiter's on every store,
+the policies', the first executions' and replays') a real uvicorn server (pinned to
+CPU 0) is loaded by wrk (CPU 1) at 64 connections; the kernel's per-thread CPU
+counters (/proc/<pid>/task) are read before and after, so the event loop's thread
+and the SQLite writer thread are reported apart, in microseconds of CPU per request
+(PostgreSQL's and Redis's drivers run on the event loop: their work is in its column),
+and the pool's statistics give the store round trips per request (SQLite
+transactions, PostgreSQL function calls, Redis pipelines). With the server on one
+core, the threads' sum is what sets the throughput. It also counts the collections
+of CPython's cyclic garbage collector per 1000 requests (per generation), which a
+request that waits across loop iterations brings on. Writes benchmarks/cpu.json.
 """
 
 from __future__ import annotations
@@ -26,14 +29,23 @@ from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, Server, load, machine, versions
-from cases import GET, POST, POST_NEW_KEY, POST_SAME_KEY
+from _stores import store_servers
+from cases import CASES, Case
 
-CASES = (
-    ("bare", "bare", "/", GET),
-    ("limiter", "limiter", "/", GET),
-    ("bare-post", "bare", "/orders", POST),
-    ("idem-first", "idempotency", "/orders", POST_NEW_KEY),
-    ("idem-replay", "idempotency", "/orders", POST_SAME_KEY),
+STORES = ("", "-postgres", "-redis")
+# The rows of the per-request table: the references, then porch's rows of bench.py.
+ROWS = (
+    "bare",
+    "bare-headers",
+    "bare-ietf-headers",
+    "limiter-nostore",
+    *(
+        f"limiter{kind}{store}"
+        for store in STORES
+        for kind in ("", "-ietf", "-sliding", "-gcra", "-levels", "-settle", "-concurrency")
+    ),
+    "bare-post",
+    *(f"idem-{kind}{store}" for store in STORES for kind in ("first", "replay")),
 )
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -63,17 +75,24 @@ def label(rank: int, is_loop: bool) -> str:
     return "store writer" if rank == 1 else "store helpers"
 
 
-def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict[str, Any]:
+def measure(case: Case, duration: int, tmp: Path, servers: dict[str, Any]) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
-    server = Server(variant, data)
+    env = dict(case.env)
+    if case.redis:
+        env["BENCH_REDIS"] = servers[case.redis].url
+    if case.postgres:
+        env["BENCH_POSTGRES"] = servers["postgres"].url
+        env["BENCH_SCHEMA"] = data.name.replace("-", "_").lower()  # fresh tables per run
+    server = Server(case.variant, data, env=env)
+    path, lua = case.path, case.lua
     try:
         load(server.url, path, lua, connections=64, duration=1, tmp=tmp)
         pid = server.pids()[0]
-        gc_before = server.stats()["gc_collections"]
+        stats_before = server.stats()
         before = thread_cpu(pid)
         result = load(server.url, path, lua, connections=64, duration=duration, tmp=tmp)
         after = thread_cpu(pid)
-        gc_after = server.stats()["gc_collections"]
+        stats_after = server.stats()
     finally:
         server.stop()
         shutil.rmtree(data, ignore_errors=True)
@@ -99,10 +118,13 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
             }
         )
     total = sum(t["user_us"] + t["system_us"] for t in threads)
+    gc_before, gc_after = stats_before["gc_collections"], stats_after["gc_collections"]
     gc_per_1000 = [round((b - a) * 1000 / n, 2) for a, b in zip(gc_before, gc_after, strict=True)]
+    trips = stats_after["transactions"] - stats_before["transactions"]
     return {
         "rps": round(result["rps"], 1),
         "cpu_us": round(total, 1),
+        "round_trips": round(trips / n, 4),
         "threads": threads,
         "gc_per_1000_requests": gc_per_1000,
     }
@@ -110,18 +132,24 @@ def measure(variant: str, path: str, lua: str, duration: int, tmp: Path) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--duration", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(ROWS), help="bench.py cases")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu.json"))
     args = parser.parse_args()
     if not Path("/proc/self/task").exists():
         print("cpu.py reads /proc: Linux only", file=sys.stderr)
         return 1
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="porch-cpu-") as tmp:
+    by_name = {case.name: case for case in CASES}
+    cases = [by_name[name] for name in args.cases.split(",")]
+    with (
+        tempfile.TemporaryDirectory(prefix="porch-cpu-") as tmp,
+        store_servers(cases) as servers,
+    ):
         rows = []
-        for name, variant, path, lua in CASES:
-            row = {"case": name, **measure(variant, path, lua, args.duration, Path(tmp))}
-            print(name, json.dumps(row), flush=True)
+        for case in cases:
+            row = {"case": case.name, **measure(case, args.duration, Path(tmp), servers)}
+            print(case.name, json.dumps(row), flush=True)
             rows.append(row)
     out = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

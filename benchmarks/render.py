@@ -145,17 +145,25 @@ def curves_text(curves: dict[str, Any]) -> list[str]:
     lines = [
         "## Against concurrency",
         "",
-        f"`{curves['command'].strip()}` — {curves['duration_s']} s per point, bare and "
+        f"`{curves['command'].strip()}` — {curves['duration_s']} s per point, bare, "
+        "bare-headers (the bare app sending the limiter's five headers itself) and the "
         "limiter interleaved at each point, one measurement each.",
         "",
-        "| connections | bare req/s | limiter req/s | ratio | bare p99 ms | limiter p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| connections | bare req/s | bare-headers req/s | limiter req/s | ratio to bare "
+        "| ratio to bare-headers | bare-headers p99 ms | limiter p99 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in curves["concurrency"]:
+        headers = c.get("bare-headers")  # curves.json from before it had the row: a dash
+        cells = (
+            (f"{headers['rps']:,.0f}", f"{c['ratio_to_headers']:.2f}", f"{headers['p99_ms']:.2f}")
+            if headers
+            else ("–", "–", "–")
+        )
         lines.append(
-            f"| {c['connections']} | {c['bare']['rps']:,.0f} | "
-            f"{c['limiter']['rps']:,.0f} | {c['ratio']:.2f} | "
-            f"{c['bare']['p99_ms']:.2f} | {c['limiter']['p99_ms']:.2f} |"
+            f"| {c['connections']} | {c['bare']['rps']:,.0f} | {cells[0]} | "
+            f"{c['limiter']['rps']:,.0f} | {c['ratio']:.2f} | {cells[1]} | "
+            f"{cells[2]} | {c['limiter']['p99_ms']:.2f} |"
         )
     lines += [
         "",
@@ -201,17 +209,22 @@ def curves_text(curves: dict[str, Any]) -> list[str]:
 
 
 def cpu_text(cpu: dict[str, Any]) -> list[str]:
-    """The per-thread CPU table from benchmarks/cpu.json."""
+    """The per-request table from benchmarks/cpu.json: CPU per thread and store round trips."""
     lines = [
-        "## Where the CPU goes",
+        "## Where the time goes, per request",
         "",
-        f"`python benchmarks/cpu.py` ({cpu['date'][:10]}, {cpu['duration_s']} s per case, 64 "
-        "connections): CPU time per request of each busy server thread, from the kernel's "
-        "per-thread counters. The server has one core, so the total sets the throughput.",
+        f"`python benchmarks/cpu.py` ({cpu['date'][:10]}, {cpu['duration_s']} s per row, 64 "
+        "connections, one measurement each): CPU time per request of each busy server "
+        "thread, from the kernel's per-thread counters, and the store round trips per "
+        "request (SQLite transactions, PostgreSQL function calls, Redis pipelines, from the "
+        "pool's statistics). The server has one core, so the total sets the throughput. "
+        "PostgreSQL's and Redis's drivers run on the event loop: their work is in its column "
+        "(the store writer's column is SQLite's writer thread).",
         "",
-        "| case | req/s | event loop µs (user + sys) | store writer µs (user + sys) "
-        "| store helpers µs | total µs / request | GC passes / 1000 requests (gen 0, 1, 2) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| row | req/s | event loop µs (user + sys) | store writer µs (user + sys) "
+        "| store helpers µs | total µs / request | store round trips / request "
+        "| GC passes / 1000 requests (gen 0, 1, 2) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in cpu["cases"]:
         cells = {"event loop": "–", "store writer": "–", "store helpers": "–"}
@@ -223,9 +236,11 @@ def cpu_text(cpu: dict[str, Any]) -> list[str]:
             user_sys[1] += t["system_us"]
         for name, (user, system) in sums.items():
             cells[name] = f"{user + system:.1f} ({user:.1f} + {system:.1f})"
+        trips = row.get("round_trips")
         lines.append(
             f"| {row['case']} | {row['rps']:,.0f} | {cells['event loop']} "
             f"| {cells['store writer']} | {cells['store helpers']} | {row['cpu_us']:.1f} "
+            f"| {'–' if trips is None else f'{trips:.3f}'} "
             f"| {', '.join(f'{g:g}' for g in row.get('gc_per_1000_requests', []))} |"
         )
     return [*lines, ""]

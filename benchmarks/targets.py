@@ -20,12 +20,54 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
     def ratio(a: str, b: str) -> float | None:
         return by[a]["rps"] / by[b]["rps"] if a in by and b in by else None
 
-    def vs_bare(a: str) -> float | None:
-        return by[a]["ratio_to_bare"] if a in by else None
+    def vs(a: str, reference: str) -> float | None:
+        """``a``'s ratio to ``reference``, round by round (its baseline), else of the medians."""
+        if a not in by:
+            return None
+        if by[a]["baseline"] == reference and by[a]["ratio_to_bare"] is not None:
+            return float(by[a]["ratio_to_bare"])
+        return ratio(a, reference)
 
-    check("limiter ≥ 0.80× bare", vs_bare("limiter"), 0.80)
+    # Issue 28: the throughput targets against the bare app sending the same headers
+    # (bare-headers, bare-ietf-headers), which is what porch's own work is measured from.
+    for store in ("", "-postgres", "-redis"):
+        label = {"": "SQLite", "-postgres": "PostgreSQL", "-redis": "Redis"}[store]
+        check(
+            f"limiter{store} ≥ 0.90× bare-headers ({label}, 64 connections)",
+            vs(f"limiter{store}", "bare-headers"),
+            0.90,
+        )
+        check(
+            f"limiter-ietf{store} ≥ 0.90× bare-ietf-headers ({label})",
+            vs(f"limiter-ietf{store}", "bare-ietf-headers"),
+            0.90,
+        )
+    check("limiter-4w ≥ 0.85× bare-headers-4w", vs("limiter-4w", "bare-headers-4w"), 0.85)
+    if "limiter" in by and by["limiter"]["baseline"] == "bare-headers":
+        check(
+            "limiter's added p99 over bare-headers at 64 connections ≤ 2 ms (ms)",
+            by["limiter"]["added_p99_ms"],
+            2.0,
+            at_most=True,
+        )
+    for store, goal in (("", 0.60), ("-redis", 0.55), ("-postgres", 0.35)):
+        check(
+            f"idem-first{store} ≥ {goal:.2f}× bare-post",
+            vs(f"idem-first{store}", "bare-post"),
+            goal,
+        )
+    for store in ("", "-postgres", "-redis"):
+        check(f"idem-replay{store} ≥ 1.0× bare-post", vs(f"idem-replay{store}", "bare-post"), 1.0)
+    # The policies, each within 10% of the fixed-window limiter on the same store.
+    for store in ("", "-postgres", "-redis"):
+        for policy in ("sliding", "gcra", "levels", "settle", "concurrency"):
+            check(
+                f"limiter-{policy}{store} ≥ 0.90× limiter{store}",
+                vs(f"limiter-{policy}{store}", f"limiter{store}"),
+                0.90,
+            )
+    # Earlier targets that still stand: against the peers, and batching.
     check("limiter ≥ 1.6× slowapi in-memory", ratio("limiter", "slowapi-memory"), 1.6)
-    check("limiter, durability=power ≥ 0.60× bare", vs_bare("limiter-power"), 0.60)
     check(
         "limiter, durability=power ≥ 4× slowapi with Redis",
         ratio("limiter-power", "slowapi-redis"),
@@ -38,7 +80,6 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
             ratio(f"limiter-redis{suffix}", f"slowapi-redis{suffix}"),
             3.0,
         )
-        check(f"limiter on Redis ({setting}) ≥ 0.45× bare", vs_bare(f"limiter-redis{suffix}"), 0.45)
         if f"limiter-redis{suffix}" in by:
             check(
                 f"limiter on Redis ({setting}): pipelines per request at 64 connections ≤ 0.1",
@@ -46,38 +87,26 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
                 0.1,
                 at_most=True,
             )
-    check("idempotent replays ≥ 0.90× bare POST", vs_bare("idem-replay"), 0.90)
-    check("keyed first executions ≥ 0.60× bare POST", vs_bare("idem-first"), 0.60)
-    if "limiter" in by:
+    if "limiter-frozen" in by and by["limiter-frozen"]["baseline"] == "bare-headers":
+        # The tail target with the app's start-up objects frozen (docs/deployment.md,
+        # "Tail latency"): the rest of the default row's tail is CPython's full collections.
         check(
-            "limiter's added p99 at 64 connections ≤ 2 ms (ms)",
-            by["limiter"]["added_p99_ms"],
+            "limiter's added p99 over bare-headers, the app calling gc.freeze() (ms)",
+            by["limiter-frozen"]["added_p99_ms"],
             2.0,
             at_most=True,
         )
-        if "limiter-frozen" in by:
-            # The same target with the app's start-up objects frozen (docs/deployment.md,
-            # "Tail latency"): the rest of the default row's tail is CPython's full collections.
-            check(
-                "limiter's added p99 at 64 connections ≤ 2 ms, the app calling gc.freeze() (ms)",
-                by["limiter-frozen"]["added_p99_ms"],
-                2.0,
-                at_most=True,
-            )
+    if "limiter" in by:
         check(
             "limiter's store transactions per request at 64 connections ≤ 0.1",
             by["limiter"]["txn_per_request"],
             0.1,
             at_most=True,
         )
-    check("limiter on PostgreSQL ≥ 0.40× bare", vs_bare("limiter-postgres"), 0.40)
     check(
         "limiter on PostgreSQL ≥ 3× slowapi with Redis",
         ratio("limiter-postgres", "slowapi-redis"),
         3.0,
-    )
-    check(
-        "idempotent replays on PostgreSQL ≥ 0.80× bare POST", vs_bare("idem-replay-postgres"), 0.80
     )
     for row in ("limiter-postgres", "idem-first-postgres", "idem-replay-postgres"):
         if row in by:
@@ -89,12 +118,17 @@ def target_lines(report: dict[str, Any], curves: dict[str, Any] | None) -> list[
             )
     if curves is None:
         return out
-    # The concurrency curve: bare and limiter interleaved at each point (curves.py).
+    # The concurrency curve: bare, bare-headers and limiter interleaved at each point.
+    for point in curves.get("concurrency", []):
+        if "ratio_to_headers" in point and point["connections"] != 64:
+            check(
+                f"limiter ≥ 0.85× bare-headers at {point['connections']} connection"
+                f"{'s' if point['connections'] > 1 else ''} (concurrency curve)",
+                point["ratio_to_headers"],
+                0.85,
+            )
     at = {c["connections"]: c for c in curves.get("concurrency", [])}
-    if 1 in at:
-        check("limiter ≥ 0.60× bare at 1 connection", at[1]["ratio"], 0.60)
     if 256 in at:
-        check("limiter ≥ 0.65× bare at 256 connections", at[256]["ratio"], 0.65)
         check(
             f"limiter's p99 at 256 connections under 15 ms (ms; the bare app's: "
             f"{at[256]['bare']['p99_ms']:.2f})",
@@ -142,7 +176,7 @@ BOUNDS = """## What bounds the targets not met
   right after its one read, so that claim's round trip bounds the row.
 
 The server has one core, so throughput is set by the CPU each request costs
-the server, on every thread together: see "Where the CPU goes" below for the
+the server, on every thread together: see "Where the time goes, per request" below for the
 measured split between the event loop and the SQLite writer thread.
 
 - **The headers.** By default the limiter adds five headers to every response

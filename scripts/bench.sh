@@ -3,7 +3,7 @@
 #   ./scripts/bench.sh             # bench.py (every row of results.json), curves.py,
 #                                  # cpu.py, then render.py (README block, docs/benchmarks.md)
 #   ./scripts/bench.sh --rounds 5  # options go to bench.py
-# With the defaults (3 rounds × 5 s of every row) it takes about 13–15 minutes on 2 cores,
+# With the defaults (3 rounds × 5 s of every row) it takes about 25 minutes on 2 cores,
 # more on a busy machine; each script records its own time and docs/benchmarks.md states it.
 source "$(dirname "$0")/_env.sh"
 python -m pip install --quiet --disable-pip-version-check -e ".[test,bench]" >&2
