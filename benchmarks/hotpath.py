@@ -2,13 +2,18 @@
 
     python benchmarks/hotpath.py [--requests 20000] [--rounds 5]
                                  [--algorithm fixed|sliding|gcra] [--concurrency 64]
+                                 [--policy levels|settle|concurrency] [--profile]
 
 Drives ``RateLimitMiddleware`` over a real SQLite pool with raw ASGI calls (no
 server, no HTTP parsing), 64 concurrent requests at a time from 64 clients, and
 reports CPU microseconds per request (every thread's): the best of ``--rounds`` rounds,
 without metrics and with a ``PorchMetrics``. ``--algorithm`` picks the limit's
 algorithm (a tree from before the policies knows only fixed windows);
-``--concurrency 1`` sends one request at a time (each commits on its own). Runs
+``--concurrency 1`` sends one request at a time (each commits on its own);
+``--clients 1`` sends every request as one client (as bench.py's wrk does).
+``--policy`` takes the rule of bench.py's row of that name instead (benchmarks/apps.py:
+three levels, a reservation settled lower, a concurrency cap). ``--profile`` prints
+cProfile's top functions of one more round (metrics off). Runs
 against whatever ``porch`` is importable (``PYTHONPATH=other/src`` measures
 another checkout; ``--no-metrics`` for a checkout without ``porch.metrics``).
 """
@@ -23,13 +28,29 @@ from typing import Any
 
 from porch import KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
 
+try:
+    from apps import _rule
+except ImportError:  # run as benchmarks/hotpath.py from elsewhere
+    from benchmarks.apps import _rule
+
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
+    if "porch.reservations" in scope:  # the settle policy: the request cost 1
+        from porch.ratelimit import settle
+
+        settle(scope, 1)
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _round(requests: int, with_metrics: bool, algorithm: str, concurrency: int) -> float:
+async def _round(
+    requests: int,
+    with_metrics: bool,
+    algorithm: str,
+    concurrency: int,
+    policy: str = "",
+    clients: int = 64,
+) -> float:
     metrics = None
     if with_metrics:
         from porch.metrics import PorchMetrics
@@ -42,7 +63,8 @@ async def _round(requests: int, with_metrics: bool, algorithm: str, concurrency:
         limit = (
             Limit(10**9, 3600) if algorithm == "fixed" else Limit(10**9, 3600, algorithm=algorithm)  # type: ignore[arg-type]
         )
-        app = RateLimitMiddleware(_app, pool=pool, rules=Rule(limit))
+        rule = _rule(f"limiter-{policy}", 3600) if policy else Rule(limit)
+        app = RateLimitMiddleware(_app, pool=pool, rules=rule)
 
         async def receive() -> dict[str, Any]:
             return {"type": "http.request", "body": b"", "more_body": False}
@@ -59,11 +81,12 @@ async def _round(requests: int, with_metrics: bool, algorithm: str, concurrency:
                 "client": (f"10.0.{n // 250}.{n % 250}", 1234),
             }
 
-        scopes = [scope(n) for n in range(concurrency)]
+        scopes = [scope(n % clients) for n in range(concurrency)]
         started = time.process_time()  # CPU of every thread: the writer's too
         done = 0
         while done < requests:
-            await asyncio.gather(*(app(s, receive, send) for s in scopes))
+            # A fresh scope per request, as a server gives (the middleware writes to it).
+            await asyncio.gather(*(app(dict(s), receive, send) for s in scopes))
             done += len(scopes)
         elapsed = time.process_time() - started
         await pool.close()
@@ -77,11 +100,37 @@ def main() -> None:
     parser.add_argument("--no-metrics", action="store_true")
     parser.add_argument("--algorithm", choices=["fixed", "sliding", "gcra"], default="fixed")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--policy", choices=["", "levels", "settle", "concurrency"], default="")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--clients", type=int, default=64, help="distinct clients (1: bench.py's)")
     args = parser.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        asyncio.run(
+            _round(
+                args.requests, False, args.algorithm, args.concurrency, args.policy, args.clients
+            )
+        )
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        return
     cases = [False] if args.no_metrics else [False, True]
     for with_metrics in cases:
         best = min(
-            asyncio.run(_round(args.requests, with_metrics, args.algorithm, args.concurrency))
+            asyncio.run(
+                _round(
+                    args.requests,
+                    with_metrics,
+                    args.algorithm,
+                    args.concurrency,
+                    args.policy,
+                    args.clients,
+                )
+            )
             for _ in range(args.rounds)
         )
         label = "metrics on " if with_metrics else "metrics off"
