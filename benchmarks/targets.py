@@ -183,24 +183,37 @@ measured split between the event loop and the SQLite writer thread.
   (`X-RateLimit-*`, `RateLimit-Policy`, `RateLimit`). The `bare-headers` row is
   the bare app sending those same five headers itself, with nothing counted:
   uvicorn's per-header handling alone takes that share of a hello-world
-  response (0.76-0.91× bare in the runs so far), which leaves little or no room
-  under a 0.80× target for the counting. `headers="ietf"` sends the IETF draft's
-  two fields only: the `bare-ietf-headers` row is the bare app sending those two
-  (0.85-1.00× in the same runs), and `limiter-ietf` is the limiter with that
-  setting (0.58× bare against the default's 0.52× in the committed run; 0.67×
-  against 0.61-0.63× in one interleaved run,
-  `benchmarks/ab.py --base HEAD --variants
-  bare,bare-headers,bare-ietf-headers,limiter,limiter-ietf --connections 64`).
+  response (0.76-0.91× bare in the runs so far). So the limiter's targets are
+  set against that row (issue 28), which is what porch's own work is measured
+  from: `limiter` and its store rows against `bare-headers`, `limiter-ietf`
+  (`headers="ietf"`, the IETF draft's two fields only) against
+  `bare-ietf-headers` (the bare app sending those two), `limiter-4w` against
+  `bare-headers-4w`, and the concurrency curve's points against the
+  `bare-headers` measured at each.
 - **The middleware itself.** The `limiter-nostore` row is porch's limiter over
   a pool that allows every hit at once: no store, no mailbox, no thread, no
   wait, only the middleware's own Python per request (selecting the rule,
   naming the client, the decision's headers). In-process that is about 2 µs
   more than `bare-headers`; under uvicorn at 64 connections the event loop
-  spends 10-18 µs more per request than `bare-headers` does (profilers, which
-  slow every request alike, see 5-6 µs), and the row lands at 0.60-0.66× bare
-  in the runs so far, below the 0.80× target before any store is involved. Every store's row is
-  measured against that: the gap between `limiter-nostore` and `limiter` is
-  what the durable decision costs.
+  spends a few µs more per request than `bare-headers` does (the per-request
+  table below). Every store's row is measured against that: the gap between
+  `limiter-nostore` and `limiter` is what the durable decision costs.
+- **The policies.** `limiter-sliding` and `limiter-gcra` take the fixed
+  window's path (one key, one unit): only the store's arithmetic differs.
+  `limiter-levels`, `-settle` and `-concurrency` take the general path
+  (`resolve()`: each level's key, the cost; the reservation; a wrapper of the
+  app's `send`), counted with cProfile under uvicorn at about 47 (levels) and
+  100 (settle) more Python calls a request than the fixed window's ~170
+  (measured before this issue's trims of both paths). A level is a counter of its own in the
+  same transaction (three here: the writer's work per hit grows with them).
+  A settle (and a cap's vacate) is a second store operation per request,
+  awaited before the response's last body chunk leaves so that the client's
+  next request finds it applied (docs/design.md, "Policies"): a second hop
+  through the shard, about twice the store round trips per request (the
+  per-request table), and the app's whole call chain held open across it. No
+  design that keeps that rule takes the second operation off the request's
+  path; `benchmarks/hotpath.py --policy settle --clients 1` shows it
+  in-process (about 2× the fixed window's CPU a request).
 - **A durable decision costs a round trip.** Each limited request is parked
   until its group commit is done: a future, a message to its shard, a task
   switch back, and its share of one transaction (about one per 30 requests at
