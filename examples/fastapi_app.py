@@ -1,4 +1,5 @@
-"""FastAPI behind porch: a rate-limited page and idempotent orders, scoped to the API key's user.
+"""FastAPI behind porch: a rate-limited page and idempotent orders, scoped to the API key's user,
+and a page limited per user, keyed by the app's own user dependency.
 
 Run: uvicorn examples.fastapi_app:app --no-proxy-headers
 """
@@ -12,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 
 from porch import (
     CallerScope,
@@ -24,6 +25,7 @@ from porch import (
     Rule,
     SQLiteStore,
 )
+from porch.integrations.fastapi import RateLimit, install
 
 DATA = Path(os.environ.get("PORCH_DATA", "./porch-data"))
 USERS = {"key-alice": "alice", "key-bob": "bob"}  # your API keys -> user ids
@@ -67,6 +69,20 @@ async def create_order(request: Request, x_api_key: str = Header("")) -> dict[st
     return {"order": order, "user": user, "receipt": uuid.uuid4().hex}
 
 
+async def current_user(x_api_key: str = Header("")) -> str | None:
+    """The app's auth: the API key's user, None for none (FastAPI resolves it once per request)."""
+    return USERS.get(x_api_key)
+
+
+async def user_key(user: str | None = Depends(current_user)) -> str | None:
+    return f"user:{user}" if user else None  # None: counted by address
+
+
+@router.get("/me", dependencies=[Depends(RateLimit("3/minute", key=Depends(user_key)))])
+async def me(user: str | None = Depends(current_user)) -> dict[str, str | None]:
+    return {"user": user}
+
+
 def create_app(pool: KeyPool) -> FastAPI:
     """The app over ``pool`` (its tests hand it porch.testing's throwaway pool)."""
     app = FastAPI()
@@ -81,6 +97,7 @@ def create_app(pool: KeyPool) -> FastAPI:
         pool=pool,
         rules=Rule(Limit(hello_limit, 60, name="hello"), path="/hello"),
     )
+    install(app, pool)  # the route limits (GET /me)
     return app
 
 

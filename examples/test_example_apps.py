@@ -48,6 +48,20 @@ def test_hello_is_limited_and_orders_run_once(
     assert again.headers["idempotent-replayed"] == "true"
 
 
+def test_the_fastapi_app_limits_me_per_user_its_dependency_resolved(
+    porch: Porch, porch_pool: KeyPool
+) -> None:
+    alice, bob = {"X-API-Key": "key-alice"}, {"X-API-Key": "key-bob"}
+    with TestClient(fastapi_app.create_app(porch_pool), client=("10.1.1.1", 5000)) as client:
+        for _ in range(3):
+            porch.assert_not_limited(client.get("/me", headers=alice))
+        porch.assert_limited(client.get("/me", headers=alice))
+        assert client.get("/me", headers=bob).json() == {"user": "bob"}
+        assert porch.counts("user:alice") == {"route:GET:/me/3-per-60s": 3}
+        porch.advance(60)
+        porch.assert_not_limited(client.get("/me", headers=alice))
+
+
 def test_the_flask_app_with_the_test_store(porch: Porch, porch_store: Store) -> None:
     app = flask_app.create_app(PORCH_STORE=porch_store)
     try:

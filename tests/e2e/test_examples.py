@@ -176,3 +176,29 @@ def test_example(example: Example, tmp_path: Path) -> None:
     assert not (tmp_path / "porch.sqlite3-wal").exists(), log[-3000:]
     assert "Task was destroyed" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_the_fastapi_example_limits_per_user_its_dependency_resolved(tmp_path: Path) -> None:
+    """GET /me: a route limit keyed by the app's own user dependency (3 a minute per user),
+    under uvicorn: concurrent requests of one user, exactly three pass; counted per user."""
+    [example] = [e for e in EXAMPLES if e.name == "fastapi"]
+    with serve(example, tmp_path) as (base, process):
+
+        def me(api_key: str) -> httpx.Response:
+            return httpx.get(base + "/me", headers={"X-API-Key": api_key}, timeout=30)
+
+        with ThreadPoolExecutor(8) as burst:
+            answers = list(burst.map(lambda _: me("key-alice"), range(8)))
+        assert sorted(a.status_code for a in answers) == [200] * 3 + [429] * 5
+        assert {a.json()["user"] for a in answers if a.status_code == 200} == {"alice"}
+        refused = next(a for a in answers if a.status_code == 429)
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.headers["ratelimit-policy"] == '"3-per-60s";q=3;w=60'
+        assert me("key-bob").json() == {"user": "bob"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) in (0, -signal.SIGTERM)
+    counted = tmp_path / "porch.sqlite3"
+    assert rows(counted, "SELECT count FROM counters WHERE key LIKE '%user:alice'") == 3
+    assert rows(counted, "SELECT count FROM counters WHERE key LIKE '%user:bob'") == 1
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log, log[-3000:]

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from porch import ConfigurationError, IdempotencyPolicy, KeyPool, Limit, Plans, SQLiteStore
@@ -598,3 +598,307 @@ async def test_a_dependency_counts_levels_and_plans(pool: KeyPool, tmp_path: Pat
         "rl\x1fapi\x1fper-60s\x1fkey:f": 1,
         "rl\x1fapi\x1feveryone\x1f": 3,
     }
+
+
+# A key that is a dependency: the app's own auth resolves the user once per request, and the
+# limit counts under what that resolved.
+
+TOKENS = {"t-alice": "alice", "t-bob": "bob"}
+
+
+def keyed_by_user_app(pool: KeyPool) -> tuple[FastAPI, dict[str, Any]]:
+    """Limits keyed by ``Depends(user_key)`` on a route, on an APIRouter (included with a
+    prefix) and on one of its routes; every resolution of the user recorded."""
+    app = FastAPI()
+    resolved: list[str | None] = []
+
+    async def current_user(authorization: str | None = Header(None)) -> str | None:
+        resolved.append(authorization)
+        if authorization == "t-expired":
+            raise HTTPException(401, "expired")
+        return TOKENS.get(authorization or "")
+
+    async def user_key(user: str | None = Depends(current_user)) -> str | None:
+        return f"user:{user}" if user else None  # None: anonymous, counted by address
+
+    per_user = RateLimit("2/minute", key=Depends(user_key))
+
+    @app.get("/me", dependencies=[Depends(per_user)])
+    async def me(user: str | None = Depends(current_user)) -> dict[str, str | None]:
+        return {"user": user}
+
+    router = APIRouter(
+        prefix="/reports", dependencies=[Depends(RateLimit("3/minute", key=Depends(user_key)))]
+    )
+
+    @router.get("")
+    async def reports(user: str | None = Depends(current_user)) -> dict[str, str | None]:
+        return {"user": user}
+
+    @router.post("/exports", dependencies=[Depends(RateLimit("1/minute", key=Depends(user_key)))])
+    async def export() -> dict[str, str]:
+        return {}
+
+    app.include_router(router, prefix="/v1")
+    assert install(app, pool) == 3
+    return app, {"resolved": resolved, "per_user": per_user, "user": current_user}
+
+
+async def test_a_limit_keyed_by_a_dependency_counts_what_the_apps_auth_resolved(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, parts = keyed_by_user_app(pool)
+    alice, bob = {"authorization": "t-alice"}, {"authorization": "t-bob"}
+    async with client(app) as c:
+        mine = [await c.get("/me", headers=alice) for _ in range(3)]
+        others = [(await c.get("/me", headers=bob)).status_code for _ in range(2)]
+        anonymous = await statuses(c, "/me", 3)
+    assert [r.status_code for r in mine] == [200, 200, 429]
+    assert mine[0].json() == {"user": "alice"}
+    assert others == [200, 200]
+    assert anonymous == [200, 200, 429]
+    # The user was resolved once per request: FastAPI's cache serves the limit's key and
+    # the endpoint alike (and the refused request never reached the endpoint).
+    assert len(parts["resolved"]) == 8
+    prefix = "rl\x1froute:GET:/me\x1f2-per-60s\x1f"
+    assert counters(tmp_path) == {
+        prefix + "user:alice": 2,
+        prefix + "user:bob": 2,
+        prefix + PEER: 2,
+    }
+
+
+async def test_a_limit_keyed_by_a_dependency_answers_as_every_route_limit(
+    pool: KeyPool,
+) -> None:
+    app, _ = keyed_by_user_app(pool)
+
+    def by_user(scope: Any) -> str:  # the same key, read from the scope instead
+        return "user:" + TOKENS[dict(scope["headers"])[b"authorization"].decode()]
+
+    @app.get("/scoped", dependencies=[Depends(RateLimit("2/minute", key=by_user))])
+    async def scoped() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    alice = {"authorization": "t-alice"}
+    async with client(app) as c:
+        deferred = [await c.get("/me", headers=alice) for _ in range(3)]
+        scoped_ = [await c.get("/scoped", headers=alice) for _ in range(3)]
+    for mine, theirs in zip(deferred, scoped_, strict=True):
+        assert mine.status_code == theirs.status_code
+        for header in ("ratelimit-policy", "ratelimit", "x-ratelimit-limit", "retry-after"):
+            assert mine.headers.get(header) == theirs.headers.get(header), header
+    assert deferred[2].headers["content-type"] == "application/problem+json"
+    assert deferred[2].json() == scoped_[2].json()
+    assert deferred[2].json()["violated"][0]["policy"] == "2-per-60s"
+
+
+async def test_limits_keyed_by_a_dependency_on_a_router_and_its_route_both_count(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, parts = keyed_by_user_app(pool)
+    alice = {"authorization": "t-alice"}
+    async with client(app) as c:
+        listed = [(await c.get("/v1/reports", headers=alice)).status_code for _ in range(2)]
+        exports = [await c.post("/v1/reports/exports", headers=alice) for _ in range(2)]
+        bob = (await c.post("/v1/reports/exports", headers={"authorization": "t-bob"})).status_code
+    assert listed == [200, 200]
+    assert [r.status_code for r in exports] == [200, 429]
+    assert bob == 200
+    # The router's limit (3/minute) and the route's (1/minute): both headers on a response.
+    assert exports[0].headers["ratelimit-policy"].count("per-60s") == 2
+    rows = counters(tmp_path)
+    assert rows["rl\x1froute:GET:/v1/reports\x1f3-per-60s\x1fuser:alice"] == 2
+    route = "rl\x1froute:POST:/v1/reports/exports"
+    exported = {k: v for k, v in rows.items() if k.startswith(route) and k.endswith("alice")}
+    # The third of the router's three, then the route refused: all-or-nothing per rule.
+    assert sorted(exported.values()) == [1, 2], exported
+    assert len(parts["resolved"]) == 5
+
+
+async def test_a_key_dependency_that_refuses_refuses_before_anything_is_counted(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, _ = keyed_by_user_app(pool)
+    async with client(app) as c:
+        expired = await c.get("/me", headers={"authorization": "t-expired"})
+    assert (expired.status_code, expired.json()) == (401, {"detail": "expired"})
+    assert counters(tmp_path) == {}
+
+
+async def test_a_key_dependency_returning_no_str_answers_503_and_logs(
+    pool: KeyPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = FastAPI()
+
+    async def user_id() -> int:
+        return 7  # a str is the key: f"user:{id}"
+
+    @app.get("/ids", dependencies=[Depends(RateLimit("5/minute", key=Depends(user_id)))])
+    async def ids() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    async with client(app) as c:
+        answered = [(await c.get("/ids")).status_code for _ in range(2)]
+    assert answered == [503, 503]
+    [line] = [r.getMessage() for r in caplog.records if "not a str" in r.getMessage()]
+    assert "returned int" in line
+
+
+async def test_an_exception_handler_shapes_the_429_of_a_limit_keyed_by_a_dependency(
+    pool: KeyPool,
+) -> None:
+    app, _ = keyed_by_user_app(pool)
+
+    @app.exception_handler(RateLimitExceeded)
+    async def handler(request: Request, exc: RateLimitExceeded) -> JSONResponse:
+        return JSONResponse({"wait": exc.refusal.retry_after}, status_code=429, headers=exc.headers)
+
+    async with client(app) as c:
+        answers = [await c.get("/me", headers={"authorization": "t-bob"}) for _ in range(3)]
+    assert (answers[2].status_code, answers[2].json()) == (429, {"wait": 60})
+    assert answers[2].headers["x-ratelimit-remaining"] == "0"
+
+
+async def test_limits_keyed_by_a_dependency_switch_off_and_follow_overrides(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app, parts = keyed_by_user_app(pool)
+    per_user: RateLimit = parts["per_user"]
+    alice = {"authorization": "t-alice"}
+    async with client(app) as c:
+        per_user.enabled = False
+        assert [(await c.get("/me", headers=alice)).status_code for _ in range(3)] == [200] * 3
+        per_user.enabled = True
+        app.dependency_overrides[per_user] = lambda: None
+        assert [(await c.get("/me", headers=alice)).status_code for _ in range(3)] == [200] * 3
+        # Overridden by another keyed limit: that one counts, under the same key.
+        app.dependency_overrides[per_user] = RateLimit("1/minute", key=Depends(lambda: "fixed"))
+        assert [(await c.get("/me", headers=alice)).status_code for _ in range(2)] == [200, 429]
+        # The user overridden (a test's fake user): the limit counts under that user.
+        app.dependency_overrides.clear()
+        app.dependency_overrides[parts["user"]] = lambda: "carol"
+        assert [(await c.get("/me")).status_code for _ in range(3)] == [200, 200, 429]
+    rows = counters(tmp_path)
+    assert rows["rl\x1froute:GET:/me\x1f2-per-60s\x1fuser:carol"] == 2
+    assert rows["rl\x1froute:GET:/me#override1\x1f1-per-60s\x1ffixed"] == 1
+    assert "rl\x1froute:GET:/me\x1f2-per-60s\x1fuser:alice" not in rows
+
+
+async def test_install_switched_off_skips_limits_keyed_by_a_dependency(tmp_path: Path) -> None:
+    unopened = KeyPool(SQLiteStore(tmp_path / "off"))
+    app = FastAPI()
+
+    async def user_key() -> str:
+        return "user:alice"
+
+    @app.get("/me", dependencies=[Depends(RateLimit("1/hour", key=Depends(user_key)))])
+    async def me() -> dict[str, str]:
+        return {}
+
+    assert install(app, unopened, enabled=False) == 1
+    async with app.router.lifespan_context(app), client(app) as c:
+        assert await statuses(c, "/me", 3) == [200] * 3
+    assert not unopened.started
+
+
+async def test_a_limit_keyed_by_a_dependency_never_installed_answers_503(pool: KeyPool) -> None:
+    app = FastAPI()
+
+    async def user_key() -> str:
+        return "user:alice"
+
+    @app.get("/late", dependencies=[Depends(RateLimit("1/hour", key=Depends(user_key)))])
+    async def late() -> dict[str, str]:
+        return {}
+
+    async with client(app) as c:
+        assert await statuses(c, "/late", 2) == [503, 503]
+
+
+async def test_a_limit_keyed_by_a_dependency_reserves_and_the_endpoint_settles(
+    pool: KeyPool, tmp_path: Path
+) -> None:
+    app = FastAPI()
+
+    async def account(x_api_key: str = Header("-")) -> str:
+        return "acct:" + x_api_key
+
+    async def max_tokens(request: CostRequest) -> int:
+        return int((await request.json())["max_tokens"])
+
+    budget = RateLimit(
+        "100/minute", name="tokens", key=Depends(account), cost=max_tokens, settle=True
+    )
+
+    @app.post("/completions", dependencies=[Depends(budget)])
+    async def complete(request: Request, body: dict[str, Any]) -> dict[str, int]:
+        used = min(body["max_tokens"], len(body["prompt"].split()))
+        settle(request, used)
+        return {"tokens": used}
+
+    install(app, pool)
+    key = {"x-api-key": "a"}
+    async with client(app) as c:
+        first = await c.post(
+            "/completions", json={"prompt": "a b c", "max_tokens": 60}, headers=key
+        )
+        second = await c.post("/completions", json={"prompt": "d", "max_tokens": 90}, headers=key)
+        third = await c.post("/completions", json={"prompt": "e", "max_tokens": 97}, headers=key)
+    assert (first.status_code, first.json()) == (200, {"tokens": 3})
+    assert first.headers["ratelimit"] == '"100-per-60s";r=40;t=60'  # told at the reservation
+    assert (second.status_code, second.json()) == (200, {"tokens": 1})  # 3 + 90 <= 100
+    assert third.status_code == 429  # 3 + 1 + 97 > 100
+    assert counters(tmp_path) == {"rl\x1ftokens\x1f100-per-60s\x1facct:a": 4}
+
+
+async def test_a_replay_never_counts_against_a_limit_keyed_by_a_dependency(
+    pool: KeyPool,
+) -> None:
+    app = FastAPI()
+    runs: list[int] = []
+
+    async def user_key(authorization: str = Header("-")) -> str:
+        return "user:" + authorization
+
+    @app.post(
+        "/orders",
+        status_code=201,
+        dependencies=[
+            Depends(RateLimit("2/hour", key=Depends(user_key))),
+            Depends(Idempotency()),
+        ],
+    )
+    async def order() -> dict[str, int]:
+        runs.append(1)
+        return {"order": len(runs)}
+
+    install(app, pool)
+    async with client(app) as c:
+        same = [await c.post("/orders", headers={"Idempotency-Key": "o1"}) for _ in range(3)]
+        fresh = [(await c.post("/orders", headers={"Idempotency-Key": f"n{i}"})) for i in range(2)]
+    assert [r.status_code for r in same] == [201] * 3
+    assert all(r.headers["idempotent-replayed"] == "true" for r in same[1:])
+    # Counted inside the route, behind idempotency: replays took nothing.
+    assert [r.status_code for r in fresh] == [201, 429]
+    assert runs == [1, 1]
+    # A refused request's key is free again: its retry runs.
+    assert "idempotent-replayed" not in fresh[1].headers
+
+
+async def test_a_limit_keyed_by_a_dependency_on_a_websocket_route_fails_at_install(
+    pool: KeyPool,
+) -> None:
+    app = FastAPI()
+
+    async def user_key() -> str:
+        return "user:alice"
+
+    @app.websocket("/feed", dependencies=[Depends(RateLimit("1/hour", key=Depends(user_key)))])
+    async def feed(websocket: Any) -> None:
+        pass  # pragma: no cover - never installed
+
+    with pytest.raises(ConfigurationError, match="WebSocket route"):
+        install(app, pool)

@@ -6,10 +6,18 @@ built here from the very middlewares the app level uses, over the app's one
 pool, so a route answers exactly as the middlewares do (same headers, same
 bodies, same all-or-nothing counting). Only requests the router hands to the
 route are counted: a 404, a 405 or a trailing-slash redirect never is.
+
+A limit whose key is only known inside the route (a FastAPI dependency's result: the
+user the app's auth resolved) is *deferred*: the guard builds its middleware as for any
+other and hands it to the declaration, which runs it when it has the key (see
+:class:`Handoff`). The middleware then runs in a task of its own, suspended where it
+would call the app until the route has answered, so its headers, its settle and its
+caps' slots are exactly the middleware's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
@@ -18,12 +26,12 @@ from typing import Any
 
 from .._eventlog import EventLog
 from .._paths import normalize_method
-from .._types import ASGIApp, Receive, Scope, Send
+from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import ConfigurationError, RateLimitExceeded
 from ..idempotency._keys import ScopeFunc
 from ..idempotency._middleware import DEFAULT_QUOTA, IdempotencyMiddleware, IdempotencyRule
 from ..idempotency._policy import IdempotencyPolicy
-from ..identity import KeyFunc
+from ..identity import ClientIdentity, KeyFunc
 from ..pool._pool import KeyPool
 from ..ratelimit._decisions import HeaderStyle
 from ..ratelimit._middleware import (
@@ -38,12 +46,24 @@ from ..store.base import Quota
 
 _logger = logging.getLogger("porch.routes")
 
-__all__ = ["GUARDS", "Declaration", "Declared", "RouteIdempotency", "RouteLimit", "guard"]
+__all__ = [
+    "GUARDS",
+    "HANDOFF",
+    "Answered",
+    "Declaration",
+    "Declared",
+    "Handoff",
+    "RouteIdempotency",
+    "RouteLimit",
+    "guard",
+]
 
 # The ids of the declarations whose guard the running request passed through. The endpoint
 # and dependency checks read it (a context variable: an endpoint need not take the request,
 # and a sync one runs in a thread that copies the context).
 GUARDS: ContextVar[frozenset[int]] = ContextVar("porch_guards", default=frozenset())
+# The running request's deferred limits, when its route has any in force (see Handoff).
+HANDOFF: ContextVar[Handoff | None] = ContextVar("porch_handoff", default=None)
 _UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -73,6 +93,10 @@ class RouteLimit:
         "settle",
         "shared",
     )
+
+    # Whether the key is only known inside the route, so the declaration runs its own
+    # middleware (Handoff.hit) once it has it: a FastAPI dependency's result.
+    deferred = False
 
     def __init__(
         self,
@@ -241,6 +265,114 @@ class _Raise:
         raise self.exc
 
 
+class Answered(Exception):
+    """Raised by a deferred declaration whose middleware has answered the request itself (a
+    429, a 503, a 400): the route stops there, and its guard swallows it."""
+
+
+class _Step:
+    """One deferred limit's run in one request: the resolved key, and where its middleware
+    goes on (the send it hands the route) and waits for the route to finish."""
+
+    __slots__ = ("done", "going", "key")
+
+    def __init__(self, key: str | None, going: asyncio.Future[Send], done: asyncio.Event) -> None:
+        self.key = key
+        self.going = going
+        self.done = done
+
+
+# The step of the deferred middleware running in this task (set while its task is created,
+# so the task's copy of the context holds it).
+_STEP: ContextVar[_Step | None] = ContextVar("porch_step", default=None)
+
+
+async def _go_on(scope: Scope, receive: Receive, send: Send) -> None:
+    """A deferred middleware's app: the request may go on, answered through ``send`` (which
+    adds the middleware's headers and settles before the last chunk); held until the route
+    has answered, so what the middleware does after its app (a settle, freeing slots) comes
+    after the response, as for a route it wraps."""
+    step = _STEP.get()
+    if step is None:  # pragma: no cover - only ever run inside Handoff.hit's task
+        raise RuntimeError("a deferred porch limit ran outside its route")
+    step.going.set_result(send)
+    await step.done.wait()
+
+
+def _deferred_key(fallback: KeyFunc) -> KeyFunc:
+    """The key a deferred declaration resolved for the running request; ``fallback`` (the
+    installer's key, else the peer host) when it resolved None (an anonymous caller)."""
+
+    def key(scope: Scope) -> Any:
+        step = _STEP.get()
+        if step is None or step.key is None:
+            return fallback(scope)
+        return step.key
+
+    return key
+
+
+class Handoff:
+    """The deferred limits of one request to a guarded route, and the send its response
+    goes through.
+
+    The guard makes one per request (only for a route with a deferred limit in force) and
+    sends the route's response through :meth:`forward`; a deferred declaration calls
+    :meth:`hit` with its key. Each hit's middleware runs in a task: if it lets the request
+    go on, the send it hands on (with its headers) becomes the response's; if it answers
+    (429, 503, 400), the declaration raises :class:`Answered`. When the route is done the
+    guard releases the middlewares and waits for each (their settles and vacates).
+    """
+
+    __slots__ = ("answered", "done", "limiters", "send", "tasks")
+
+    def __init__(self, limiters: Mapping[int, RateLimitMiddleware], send: Send) -> None:
+        self.limiters = limiters
+        self.send = send
+        self.done = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.answered = False
+
+    async def forward(self, message: Message) -> None:
+        await self.send(message)
+
+    def holds(self, declaration: object) -> bool:
+        """Whether ``declaration`` is in force for this request."""
+        return id(declaration) in self.limiters
+
+    async def hit(
+        self, declaration: object, scope: Scope, receive: Receive, key: str | None
+    ) -> None:
+        """Count this request under ``key`` as ``declaration``'s middleware does; returns if
+        it may go on, raises :class:`Answered` when the middleware answered, or what the
+        middleware raised (a refusal the app's own handler shapes)."""
+        limiter = self.limiters.get(id(declaration))
+        if limiter is None:  # switched off, or overridden, for this request
+            return
+        loop = asyncio.get_running_loop()
+        step = _Step(key, loop.create_future(), self.done)
+        token = _STEP.set(step)
+        try:
+            task = loop.create_task(limiter(scope, receive, self.send))
+        finally:
+            _STEP.reset(token)
+        self.tasks.append(task)
+        await asyncio.wait((task, step.going), return_when=asyncio.FIRST_COMPLETED)
+        if step.going.done():
+            self.send = step.going.result()
+            return
+        task.result()  # a refusal raised for the app's handler
+        self.answered = True
+        raise Answered
+
+    async def finish(self) -> None:
+        """Release the middlewares that let the request go on, and wait until each is done
+        (shielded: a cancelled request still frees its slots and applies its settle)."""
+        if self.tasks:
+            self.done.set()
+            await asyncio.shield(asyncio.gather(*self.tasks, return_exceptions=True))
+
+
 class _RouteRule(Rule):
     """A rule that always applies (the router already chose the route), named for its route."""
 
@@ -278,6 +410,10 @@ class _RouteRule(Rule):
         return f"the route limit on {self.route}"
 
 
+# What a request to a guarded route runs: the chain, the declarations it passes, and the
+# deferred limits' middlewares by declaration.
+_Chain = tuple[ASGIApp, frozenset[int], Mapping[int, RateLimitMiddleware]]
+
 # Chains built for other sets of active declarations (some off, or overridden) per route.
 _MAX_CHAINS = 64
 
@@ -301,6 +437,7 @@ class _Guard:
         "_enabled",
         "_full",
         "_ids",
+        "_limiters",
         "_names",
         "_overrides",
         "_settings",
@@ -323,18 +460,22 @@ class _Guard:
         # The name and the claimed signature of each group of the whole chain's limits.
         self._names: dict[tuple[object, ...], tuple[str, tuple[object, ...]]] = {}
         self._ids = frozenset(id(d.declaration) for d in declared)
-        self._full = self._build([d.declaration for d in declared], whole=True)
-        self._chains: dict[tuple[int, ...], tuple[ASGIApp, frozenset[int]]] = {}
+        self._full, self._limiters = self._build([d.declaration for d in declared], whole=True)
+        self._chains: dict[tuple[int, ...], _Chain] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chain, ids = self._full, self._ids
+        limiters: Mapping[int, RateLimitMiddleware] = self._limiters
         if not self._enabled:
-            chain = self._app
+            chain, limiters = self._app, {}
         elif self._changed():
-            chain, ids = self._partial()
+            chain, ids, limiters = self._partial()
         token = GUARDS.set(GUARDS.get() | ids)
         try:
-            await chain(scope, receive, send)
+            if limiters:
+                await _handing_off(chain, limiters, scope, receive, send)
+            else:
+                await chain(scope, receive, send)
         finally:
             GUARDS.reset(token)
 
@@ -362,23 +503,27 @@ class _Guard:
                 active.append(declaration)
         return active
 
-    def _partial(self) -> tuple[ASGIApp, frozenset[int]]:
+    def _partial(self) -> _Chain:
         active = self._in_force()
         signature = tuple(id(d) for d in active)
         found = self._chains.get(signature)
         if found is not None:
             return found
-        chain = self._build(active, whole=False) if active else self._app
+        chain, limiters = self._build(active, whole=False) if active else (self._app, {})
         if len(self._chains) >= _MAX_CHAINS:
             self._chains.clear()
-        found = (chain, self._ids | frozenset(signature))
+        found = (chain, self._ids | frozenset(signature), limiters)
         self._chains[signature] = found
         return found
 
-    def _build(self, declared: list[Declaration], *, whole: bool) -> ASGIApp:
+    def _build(
+        self, declared: list[Declaration], *, whole: bool
+    ) -> tuple[ASGIApp, dict[int, RateLimitMiddleware]]:
         """The middlewares of ``declared`` around the route's app: rate limits outside
         idempotency (a refused request never claims a key), unless the idempotency
-        declaration says replays do not count."""
+        declaration says replays do not count. Deferred limits' middlewares are not in
+        the chain: they are returned by declaration, each run by its declaration inside
+        the route (so inside idempotency: a replay never counts against them)."""
         settings = self._settings
         pool: KeyPool = settings["pool"]
         path: str = settings["path"]
@@ -393,14 +538,24 @@ class _Guard:
         keyed: Callable[[ASGIApp], ASGIApp] | None = None
         if idempotency:
             keyed = _idempotency(idempotency[0], pool, route, path, websocket, normalized)
-        inner = self._app
+        # A deferred limit's middleware answers through the send the route's app is given
+        # (inside idempotency and the other limits), as a middleware there would.
+        inner = _Entry(self._app) if any(d.deferred for d in limits) else self._app
         replays_free = keyed is not None and not idempotency[0].count_replays
         if keyed is not None and not replays_free:
             inner = keyed(inner)
         # Limits declared with the same key and options are one rule: checked all-or-nothing.
+        # A deferred limit is a rule of its own (its declaration runs it).
         groups: dict[tuple[object, ...], list[RouteLimit]] = {}
+        limiters: dict[int, RateLimitMiddleware] = {}
         for declared_limit in limits:
+            if declared_limit.deferred and websocket:
+                raise ConfigurationError(
+                    f"route {route}: a limit keyed by a dependency cannot be declared on a"
+                    " WebSocket route; key it by a function of the scope (key=callable)"
+                )
             group: tuple[object, ...] = (
+                id(declared_limit) if declared_limit.deferred else None,
                 id(declared_limit.key),
                 declared_limit.name,
                 declared_limit.shared,
@@ -443,20 +598,65 @@ class _Guard:
             )
             if whole:
                 self._names[group] = (rule.name, rule.signature())
-            inner = RateLimitMiddleware(
-                inner,
+            key: KeyFunc | None = first.key if first.key is not None else settings["key"]
+            if first.deferred:
+                key = _deferred_key(key if key is not None else ClientIdentity())
+            limiter = RateLimitMiddleware(
+                _go_on if first.deferred else inner,
                 pool=pool,
                 rules=rule,
-                key=first.key if first.key is not None else settings["key"],
+                key=key,
                 exempt=first.exempt,
                 dry_run=first.dry_run,
                 fail_open=first.fail_open,
                 on_refused=settings["on_refused"],
                 headers=settings["headers"],
             )
+            if first.deferred:
+                limiters[id(first)] = limiter
+            else:
+                inner = limiter
         if keyed is not None and replays_free:
             inner = keyed(inner)
-        return inner
+        return inner, limiters
+
+
+class _Entry:
+    """The route's app, entered with a :class:`Handoff`: what it sends goes through the
+    send the deferred limits' middlewares hand on."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handoff = HANDOFF.get()
+        if handoff is None:  # pragma: no cover - the guard always sets one with this chain
+            await self.app(scope, receive, send)
+            return
+        handoff.send = send
+        await self.app(scope, receive, handoff.forward)
+
+
+async def _handing_off(
+    chain: ASGIApp,
+    limiters: Mapping[int, RateLimitMiddleware],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """Run ``chain`` with a :class:`Handoff` for its deferred limits in force."""
+    handoff = Handoff(limiters, send)
+    token = HANDOFF.set(handoff)
+    try:
+        await chain(scope, receive, send)
+    except Answered:
+        if not handoff.answered:  # pragma: no cover - only Handoff.hit raises it
+            raise
+    finally:
+        HANDOFF.reset(token)
+        await handoff.finish()
 
 
 def _overridden(declared: Declared, overrides: dict[Any, Any]) -> Declaration | None:
