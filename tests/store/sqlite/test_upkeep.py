@@ -236,7 +236,7 @@ async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
             ]
             await settle()  # each hands its batch to the writer's queue in its first step
             # The writer took the first of them (and waits for the lock with them).
-            await until(lambda: store._queue.qsize() < len(big), "the writer took a batch")
+            await until(lambda: store._writer.queued() < len(big), "the writer took a batch")
             small = asyncio.create_task(apply("hit", [Hit(["k"], [5], [60.0])]))
             # Queued within a few loop turns (at once, or by the inline flush that finds
             # the file busy), before the lock is let go.
@@ -367,6 +367,8 @@ async def test_the_wal_restarts_while_every_commit_runs_on_the_loop(tmp_path: Pa
     # minute here) catches up while decisions commit on the event loop one at a time,
     # growing without bound meanwhile, with the checkpoint thread copying back to back.
     store = SQLiteStore(tmp_path, upkeep_after=60.0)
+    apply_now = store.capabilities.apply_now  # what the pool calls for a lone hit
+    assert apply_now is not None
     await store.open()
     restarts, peak, last = 0, 0, 0
     try:
@@ -375,7 +377,7 @@ async def test_the_wal_restarts_while_every_commit_runs_on_the_loop(tmp_path: Pa
         while restarts < 2:
             assert loop.time() < deadline, f"{restarts} WAL restarts, peak {peak} frames"
             hits: list[StoreOp] = [Hit(["rl\x1fr\x1f9-per-60s\x1f10.0.0.1"], [10**9], [60])]
-            if not store.apply_now(hits):
+            if not apply_now(hits):
                 await store.apply(hits)  # the writer's turn (a catch-up under way)
             await asyncio.sleep(0)
             frames = wal_frames(store.path)

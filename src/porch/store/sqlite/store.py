@@ -1,12 +1,10 @@
 """The embedded default store: one SQLite file in WAL mode, written by one thread
 (bodies above 64 KiB in a side file with a writer thread of its own, see blobs.py).
 
-Every operation goes to a dedicated writer thread (the event loop never blocks
-on SQLite). The thread takes whatever batches are queued — from any shard —
-and applies them in one ``BEGIN IMMEDIATE`` transaction: group commit. The
-write lock taken by ``BEGIN IMMEDIATE`` is also what serializes several
-processes sharing the file, so a decision is always read-decide-write under
-the lock, never a read-modify-write from a request task.
+The store is the public surface: settings, lifecycle, claims and slots, the operator's
+view. It holds its parts: the writer (writer.py: the thread, its group commits and the
+small batches committed on the loop), the side file of big bodies (blobs.py), the
+claims' and slots' locks (claims.py, slots.py).
 """
 
 from __future__ import annotations
@@ -14,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import shutil
 import sqlite3
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -26,7 +22,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..._eventlog import EventLog
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ..base import (
@@ -35,18 +30,14 @@ from ..base import (
     Capabilities,
     Claims,
     Durability,
-    Hit,
-    Settle,
     StoreOp,
     StoreStatistics,
-    Vacate,
 )
 from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
-from .saves import BLOB_ABOVE, has_blob
+from .saves import BLOB_ABOVE
 from .slots import SQLiteSlots
-from .upkeep import Checkpoints
-from .writer import Done, Job, SQLiteWriter, done_all, settle
+from .writer import Done, Job, SQLiteWriter, settle
 
 if TYPE_CHECKING:
     from .admin import SQLiteAdmin
@@ -61,12 +52,8 @@ _EXIT_JOIN = 10.0
 # these pauses, in case it was closing at the same moment (see _last_out).
 _LAST_OUT_PAUSES = (0.025, 0.05, 0.1)
 
-# Up to this many hits, a batch arriving while the writer is idle commits on the event
-# loop (durability="process" only): see SQLiteStore.apply_then.
-INLINE_OPS = 4
 
-
-class SQLiteStore(SQLiteWriter):
+class SQLiteStore:
     """Counters and stored responses in ``<directory>/<filename>``, WAL mode.
 
     ``durability="process"`` (default) survives the process being killed at any
@@ -123,42 +110,33 @@ class SQLiteStore(SQLiteWriter):
         # Idle this long, the writer prunes expired responses and gives pages back.
         self.upkeep_after = float(upkeep_after)
         self.clock: Clock = clock if clock is not None else SystemClock()
-        # Used only from the writer thread.
-        self._log = EventLog(logger)
-        self._checkpoint_log = (threading.Lock(), EventLog(logger))
         # Idempotency owners of every process sharing this file lock keys here.
         self._claims = SQLiteClaims(self.path.with_name(self.path.name + ".locks"))
         self.claims: Claims = self._claims
         # Concurrency slots: rows named by this store's holder, whose lock is in that file.
         self._slots = SQLiteSlots(self._claims.locks)
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # Whoever uses the writer's connection holds this: the writer thread, or the
-        # event loop committing a small batch inline (see apply_then).
-        self._conn_lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None  # set while the writer runs
-        self._checkpoints: Checkpoints | None = None
-        self._names: dict[str, int] = {}  # counter-name ids read (see counters._name_ids)
-        self._inline_busy = False  # the connection's busy_timeout is 0 (an inline commit)
-        self._inline: list[tuple[Sequence[StoreOp], Done]] = []  # to commit inline, if idle
-        self._inline_ops = 0
-        self._inline_loop: asyncio.AbstractEventLoop | None = None
-        self._transactions = 0
-        self._operations = 0
-        self._failures = 0
-        self._secret: bytes | None = None  # read from the file when it is opened
-        # Bodies above 64 KiB: written by a thread of their own before their rows.
+        # Bodies above 64 KiB: written by a thread of their own before their rows, which
+        # it then hands to the writer.
         self._blobs = Blobs(
             self.path,
             durability=durability,
             busy_timeout=busy_timeout,
             clock=self.clock,
             upkeep_after=self.upkeep_after,
-            forward=self._queue_job,
+            forward=self._forward,
             part_grace=float(part_grace),
         )
-        self._bodies = self._blobs
+        self._writer = SQLiteWriter(
+            self.path,
+            durability=durability,
+            busy_timeout=busy_timeout,
+            prune_batch=prune_batch,
+            upkeep_after=self.upkeep_after,
+            clock=self.clock,
+            claims=self._claims,
+            slots=self._slots,
+            bodies=self._blobs,
+        )
         self.capabilities = Capabilities(
             # One shard, one batch at a time: the one writer thread commits every queued
             # batch in one transaction anyway, so more would only split a loop
@@ -166,8 +144,9 @@ class SQLiteStore(SQLiteWriter):
             shards=1,
             in_flight=1,
             clock=self.clock,
-            apply_then=self.apply_then,
-            apply_now=self.apply_now if durability == "process" else None,
+            # The writer's own methods: the pool calls them with no hop through the store.
+            apply_then=self._writer.apply_then,
+            apply_now=self._writer.apply_now if durability == "process" else None,
             solo_save_bytes=BLOB_ABOVE,
             admin=self.admin,
             algorithms=frozenset(ALGORITHMS),
@@ -180,9 +159,10 @@ class SQLiteStore(SQLiteWriter):
     @property
     def secret(self) -> bytes:
         """The file's secret (schema 7; see :attr:`porch.store.base.Store.secret`)."""
-        if self._secret is None:
+        secret = self._writer.secret
+        if secret is None:
             raise StoreError(f"the SQLite store {self.path} is not open")
-        return self._secret
+        return secret
 
     @classmethod
     def temporary(cls, **options: Any) -> SQLiteStore:
@@ -203,25 +183,15 @@ class SQLiteStore(SQLiteWriter):
     # -- lifecycle -----------------------------------------------------------------
 
     async def open(self) -> None:
-        if self._thread is not None:
+        if self._writer.running:
             return
         if not ofd_locks_available():
             logger.info(
                 "porch: no open-file-description locks on this platform; idempotency "
                 "ownership is per process (counters stay exact across processes)"
             )
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        # A fresh queue: a stop marker left for a writer thread that is gone (this
-        # process was forked from the one that ran it) must not stop the new one.
-        self._queue = queue.SimpleQueue()
-        ready: asyncio.Future[None] = loop.create_future()
-        self._thread = threading.Thread(
-            target=self._writer, args=(ready,), name=f"porch-sqlite:{self.path.name}", daemon=True
-        )
-        self._thread.start()
         try:
-            await ready
+            await self._writer.start()
             # After the data file (its directory made, its schema migrated).
             await asyncio.to_thread(self._blobs.open)
         except BaseException:
@@ -229,22 +199,18 @@ class SQLiteStore(SQLiteWriter):
             raise
 
     async def close(self) -> None:
-        thread = self._thread
-        if thread is None:
+        if not self._writer.stop():
             return
-        self._thread = None
         try:
             # Bodies first: the side file's writer hands what it wrote on to the writer.
             await asyncio.to_thread(self._blobs.close)
-            self._queue.put(None)
-            await asyncio.to_thread(thread.join)
+            await asyncio.to_thread(self._writer.join)
         except RuntimeError:
             # At interpreter exit (an atexit handler closing the pool) the default executor
             # takes no more work: wait here, so the writer still closes its connection
             # (and SQLite removes the WAL) before the process ends.
             self._blobs.close(_EXIT_JOIN)
-            self._queue.put(None)
-            thread.join(timeout=_EXIT_JOIN)
+            self._writer.join(_EXIT_JOIN)
         self._blobs.close_reader()
         self._slots.close()
         self._claims.close()  # drops every claim (and the slots' holder) this process holds
@@ -260,104 +226,28 @@ class SQLiteStore(SQLiteWriter):
         return SQLiteAdmin(self.path, clock=self.clock, busy_timeout=self.busy_timeout)
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(self._transactions, self._operations, self._failures)
+        return self._writer.statistics()
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
         # The caller's loop settles it (the pool may have moved to another loop).
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.apply_then(ops, partial(settle, future))
+        self._writer.apply_then(ops, partial(settle, future))
         await future
 
     def apply_then(self, ops: Sequence[StoreOp], done: Done) -> None:
-        """Apply ``ops`` in one transaction; then ``done(None)`` (or ``done(error)``).
-
-        ``done`` runs on the calling loop, after the commit: from the writer
-        thread's wake-up, or from an inline commit. With ``durability="process"``
-        the hits and settles arriving in one loop iteration, at most INLINE_OPS of
-        them, are committed together on the loop when the writer is idle: that COMMIT is a
-        ``write()`` into the page cache, cheaper than the two thread switches and
-        the wake-up of a hand-off (at one connection, most of a request's wait).
-        Never with fsync, never a claim or a save, never while the writer holds
-        the connection, and never waiting for another process's write lock
-        (busy_timeout 0 there: a busy file goes to the writer). Under load the
-        batches are bigger and go to the writer, which commits them (group
-        commit) while the loop goes on serving requests.
-        """
-        if self._thread is None or self._loop is None:
-            raise StoreError("the SQLite store is not open")
-        loop = asyncio.get_running_loop()
-        if any(has_blob(op) for op in ops):
-            self._blobs.send((ops, loop, done))  # its body first, then the batch comes here
-            return
-        if (
-            self.durability == "process"
-            and len(ops) + self._inline_ops <= INLINE_OPS
-            and all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
-        ):
-            if not self._inline or self._inline_loop is not loop:
-                # (Left by a loop that stopped before its flush ran: nobody waits for those.)
-                self._inline, self._inline_ops, self._inline_loop = [], 0, loop
-                loop.call_soon(self._flush_inline)
-            self._inline.append((ops, done))
-            self._inline_ops += len(ops)
-            return
-        self._queue.put((ops, loop, done))
-
-    def _queue_job(self, job: Job) -> None:
-        self._queue.put(job)
+        """Apply ``ops`` in one transaction; then ``done(None)`` (or ``done(error)``) on
+        the calling loop. Small batches of hits commit on the loop when the writer is
+        idle: see :meth:`.writer.SQLiteWriter.apply_then`."""
+        self._writer.apply_then(ops, done)
 
     def apply_now(self, ops: Sequence[StoreOp]) -> bool:
         """Commit ``ops`` on the calling thread now, if that is cheap: True once committed;
-        False if nothing was applied (the caller sends them through ``apply_then``).
+        False if nothing was applied (see :meth:`.writer.SQLiteWriter.apply_now`)."""
+        return self._writer.apply_now(ops)
 
-        The same inline commit as a small batch's (see ``apply_then``), without its wait
-        for the end of the loop iteration: only hits and settles, only ``durability="process"``,
-        never while the writer has work or holds the connection, never while this
-        loop's hits wait for their flush (they go first), never waiting for another
-        process's write lock. A failed commit is rolled back: nothing was applied.
-        """
-        if (
-            self.durability != "process"
-            or self._thread is None
-            or self._inline
-            or not self._queue.empty()
-            or not all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
-        ):
-            return False
-        return self._commit_inline(list(ops))
-
-    def _flush_inline(self) -> None:
-        """This loop iteration's hits: committed here if the writer is idle, else queued."""
-        jobs, self._inline, self._inline_ops = self._inline, [], 0
-        ops = [op for batch, _ in jobs for op in batch]
-        error: BaseException | None = None
-        if self._thread is None:
-            error = StoreError("the SQLite store closed before this batch was applied")
-        elif not self._queue.empty() or not self._commit_inline(ops):
-            loop = asyncio.get_running_loop()
-            for batch, done in jobs:
-                self._queue.put((batch, loop, done))
-            return
-        done_all([done for _, done in jobs], error)
-
-    def _commit_inline(self, ops: list[StoreOp]) -> bool:
-        """Commit ``ops`` on this thread if the writer's connection is free; False if not."""
-        conn = self._conn
-        if conn is None or not self._conn_lock.acquire(blocking=False):
-            return False
-        try:
-            if not self._inline_busy:
-                conn.execute("PRAGMA busy_timeout = 0")
-                self._inline_busy = True
-            self._transaction(conn, ops)
-            if self._checkpoints is not None:
-                # Never a catch-up copy here: it would stall the loop (the writer does it).
-                self._checkpoints.committed(conn, catch_up=False)
-        except Exception:
-            return False  # rolled back: the writer applies it (and reports what fails)
-        finally:
-            self._conn_lock.release()
-        return True
+    def _forward(self, job: Job) -> None:
+        """From the side file's thread: a batch whose bodies committed, for the writer."""
+        self._writer.submit(job)
 
 
 def _last_out(path: Path) -> None:

@@ -5,7 +5,9 @@ takes whatever batches are queued — from any shard — and applies them in one
 ``BEGIN IMMEDIATE`` transaction: group commit. The write lock taken by ``BEGIN
 IMMEDIATE`` is also what serializes several processes sharing the file, so a
 decision is always read-decide-write under the lock, never a read-modify-write
-from a request task. :class:`~.store.SQLiteStore` is the public surface on top.
+from a request task. Small batches of hits may commit on the event loop instead,
+when the thread is idle (inline: see :meth:`SQLiteWriter.apply_then`).
+:class:`~.store.SQLiteStore` holds one writer and is the public surface on top.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..._eventlog import EventLog
 from ..._files import private_directory, private_file, tighten
 from ...clock import Clock
 from ...errors import StoreError
-from ..base import Durability, Release, Save, StoreOp
+from ..base import Durability, Hit, Release, Save, Settle, StoreOp, StoreStatistics, Vacate
 from .claims import SQLiteClaims
 from .ops import apply_batch
 from .saves import Bodies, Heads, has_blob
@@ -50,9 +52,11 @@ from .upkeep import (
 
 __all__ = [
     "CACHE_KIB",
+    "INLINE_OPS",
     "Done",
     "Job",
     "SQLiteWriter",
+    "SideFile",
     "call_soon",
     "done_all",
     "open_private",
@@ -64,6 +68,10 @@ logger = logging.getLogger("porch.store")
 # The writer's page cache (KiB): the hot part of a million counter rows.
 CACHE_KIB = 16 << 10
 
+# Up to this many hits, a batch arriving while the writer is idle commits on the event
+# loop (durability="process" only): see SQLiteWriter.apply_then.
+INLINE_OPS = 4
+
 # A busy writer counts the file's free pages on every this many transactions.
 _FREELIST_EVERY = 8
 
@@ -72,32 +80,212 @@ Done = Callable[[BaseException | None], None]
 Job = tuple[Sequence[StoreOp], asyncio.AbstractEventLoop, Done]
 
 
-class SQLiteWriter:
-    """The writer thread's half of :class:`~.store.SQLiteStore` (which sets these)."""
+class SideFile(Bodies, Protocol):
+    """The side file of big bodies (:class:`~.blobs.Blobs`), as the writer uses it: it
+    reads bodies from it, and sends it the batches whose bodies go there first."""
 
-    path: Path
-    durability: Durability
-    busy_timeout: float
-    prune_batch: int
-    upkeep_after: float
-    clock: Clock
-    _log: EventLog
-    _checkpoint_log: tuple[threading.Lock, EventLog]
-    _claims: SQLiteClaims
-    _slots: SQLiteSlots
-    _queue: queue.SimpleQueue[Job | None]
-    _loop: asyncio.AbstractEventLoop | None
-    _conn_lock: threading.Lock
-    _conn: sqlite3.Connection | None
-    _checkpoints: Checkpoints | None
-    _names: dict[str, int]
-    _heads: Heads
-    _inline_busy: bool
-    _transactions: int
-    _operations: int
-    _failures: int
-    _bodies: Bodies | None
-    _secret: bytes | None
+    def send(self, job: Job) -> None: ...
+
+
+class SQLiteWriter:
+    """The store's one writer: its thread and connection, the queue of batches it commits
+    together, and the small batches committed on the event loop instead (inline).
+
+    :class:`~.store.SQLiteStore` holds one and forwards to it; ``claims`` and ``slots``
+    are the store's (their locks outlive a writer thread), ``bodies`` its side file.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        durability: Durability,
+        busy_timeout: float,
+        prune_batch: int,
+        upkeep_after: float,
+        clock: Clock,
+        claims: SQLiteClaims,
+        slots: SQLiteSlots,
+        bodies: SideFile,
+    ) -> None:
+        self.path = path
+        self.durability: Durability = durability
+        self.busy_timeout = busy_timeout
+        self.prune_batch = prune_batch
+        self.upkeep_after = upkeep_after
+        self.clock = clock
+        self._claims = claims
+        self._slots = slots
+        self._bodies = bodies
+        # Used only from the writer thread.
+        self._log = EventLog(logger)
+        self._checkpoint_log = (threading.Lock(), EventLog(logger))
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # from start() to stop()
+        self._stopping: threading.Thread | None = None  # from stop() to join()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Whoever uses the connection holds this: the writer thread, or the event
+        # loop committing a small batch inline (see apply_then).
+        self._conn_lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None  # set while the thread runs
+        self._checkpoints: Checkpoints | None = None
+        self._names: dict[str, int] = {}  # counter-name ids read (see counters._name_ids)
+        self._heads: Heads = {}  # response heads' stored forms (saves.headers_json)
+        self._inline_busy = False  # the connection's busy_timeout is 0 (an inline commit)
+        self._inline: list[tuple[Sequence[StoreOp], Done]] = []  # to commit inline, if idle
+        self._inline_ops = 0
+        self._inline_loop: asyncio.AbstractEventLoop | None = None
+        self._transactions = 0
+        self._operations = 0
+        self._failures = 0
+        #: The file's secret, read when the thread opens it (None before).
+        self.secret: bytes | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Between :meth:`start` and :meth:`stop`: batches are taken."""
+        return self._thread is not None
+
+    async def start(self) -> None:
+        """Start the thread; return once its connection is open (the file's directory
+        made, its schema migrated). Raises StoreError; after a failure (or a cancellation)
+        :meth:`stop` and :meth:`join` still apply."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        # A fresh queue: a stop marker left for a writer thread that is gone (this
+        # process was forked from the one that ran it) must not stop the new one.
+        self._queue = queue.SimpleQueue()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name=f"porch-sqlite:{self.path.name}", daemon=True
+        )
+        self._thread.start()
+        await ready
+
+    def stop(self) -> bool:
+        """Take no more batches from callers (:meth:`apply_then` refuses, :meth:`apply_now`
+        declines); what is queued, and what :meth:`submit` still brings, is committed
+        before :meth:`join` ends the thread. False if it was not running."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return False
+        self._stopping = thread
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        """After :meth:`stop`: commit what is queued, close the connection, end the thread
+        (blocking: waits ``timeout`` seconds at most)."""
+        thread = self._stopping
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+            if not thread.is_alive():
+                self._stopping = None
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(self._transactions, self._operations, self._failures)
+
+    # -- batches -------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a batch for the thread, as it is (the side file's, once its bodies committed)."""
+        self._queue.put(job)
+
+    def apply_then(self, ops: Sequence[StoreOp], done: Done) -> None:
+        """Apply ``ops`` in one transaction; then ``done(None)`` (or ``done(error)``).
+
+        ``done`` runs on the calling loop, after the commit: from the writer
+        thread's wake-up, or from an inline commit. With ``durability="process"``
+        the hits and settles arriving in one loop iteration, at most INLINE_OPS of
+        them, are committed together on the loop when the writer is idle: that COMMIT is a
+        ``write()`` into the page cache, cheaper than the two thread switches and
+        the wake-up of a hand-off (at one connection, most of a request's wait).
+        Never with fsync, never a claim or a save, never while the writer holds
+        the connection, and never waiting for another process's write lock
+        (busy_timeout 0 there: a busy file goes to the writer). Under load the
+        batches are bigger and go to the writer, which commits them (group
+        commit) while the loop goes on serving requests.
+        """
+        if self._thread is None or self._loop is None:
+            raise StoreError("the SQLite store is not open")
+        loop = asyncio.get_running_loop()
+        if any(has_blob(op) for op in ops):
+            self._bodies.send((ops, loop, done))  # its body first, then the batch comes here
+            return
+        if (
+            self.durability == "process"
+            and len(ops) + self._inline_ops <= INLINE_OPS
+            and all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
+        ):
+            if not self._inline or self._inline_loop is not loop:
+                # (Left by a loop that stopped before its flush ran: nobody waits for those.)
+                self._inline, self._inline_ops, self._inline_loop = [], 0, loop
+                loop.call_soon(self._flush_inline)
+            self._inline.append((ops, done))
+            self._inline_ops += len(ops)
+            return
+        self._queue.put((ops, loop, done))
+
+    def apply_now(self, ops: Sequence[StoreOp]) -> bool:
+        """Commit ``ops`` on the calling thread now, if that is cheap: True once committed;
+        False if nothing was applied (the caller sends them through ``apply_then``).
+
+        The same inline commit as a small batch's (see ``apply_then``), without its wait
+        for the end of the loop iteration: only hits and settles, only ``durability="process"``,
+        never while the writer has work or holds the connection, never while this
+        loop's hits wait for their flush (they go first), never waiting for another
+        process's write lock. A failed commit is rolled back: nothing was applied.
+        """
+        if (
+            self.durability != "process"
+            or self._thread is None
+            or self._inline
+            or not self._queue.empty()
+            or not all(type(op) is Hit or type(op) is Settle or type(op) is Vacate for op in ops)
+        ):
+            return False
+        return self._commit_inline(list(ops))
+
+    def queued(self) -> int:
+        """Batches waiting for the thread (roughly: see ``queue.SimpleQueue.qsize``)."""
+        return self._queue.qsize()
+
+    def _flush_inline(self) -> None:
+        """This loop iteration's hits: committed here if the writer is idle, else queued."""
+        jobs, self._inline, self._inline_ops = self._inline, [], 0
+        ops = [op for batch, _ in jobs for op in batch]
+        error: BaseException | None = None
+        if self._thread is None:
+            error = StoreError("the SQLite store closed before this batch was applied")
+        elif not self._queue.empty() or not self._commit_inline(ops):
+            loop = asyncio.get_running_loop()
+            for batch, done in jobs:
+                self._queue.put((batch, loop, done))
+            return
+        done_all([done for _, done in jobs], error)
+
+    def _commit_inline(self, ops: list[StoreOp]) -> bool:
+        """Commit ``ops`` on this thread if the writer's connection is free; False if not."""
+        conn = self._conn
+        if conn is None or not self._conn_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._inline_busy:
+                conn.execute("PRAGMA busy_timeout = 0")
+                self._inline_busy = True
+            self._transaction(conn, ops)
+            if self._checkpoints is not None:
+                # Never a catch-up copy here: it would stall the loop (the writer does it).
+                self._checkpoints.committed(conn, catch_up=False)
+        except Exception:
+            return False  # rolled back: the writer applies it (and reports what fails)
+        finally:
+            self._conn_lock.release()
+        return True
+
+    # -- the thread ----------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
         # Client addresses and response bodies: owner-only, whatever the umask. The WAL
@@ -126,7 +314,7 @@ class SQLiteWriter:
         conn.execute("BEGIN IMMEDIATE")
         try:
             migrate(conn)
-            self._secret = read_secret(conn)
+            self.secret = read_secret(conn)
             if rebase_after_reboot(
                 conn, self.clock.boot_id(), self.clock.monotonic(), self.clock.wall()
             ):
@@ -137,9 +325,9 @@ class SQLiteWriter:
                 conn.execute("ROLLBACK")
             raise
 
-    def _writer(self, ready: asyncio.Future[None]) -> None:
+    def _main(self, ready: asyncio.Future[None]) -> None:
         loop = self._loop
-        if loop is None:  # pragma: no cover - open() sets it before starting the thread
+        if loop is None:  # pragma: no cover - start() sets it before starting the thread
             return
         try:
             conn = self._connect()
@@ -151,7 +339,7 @@ class SQLiteWriter:
         checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
         self._checkpoints = checkpoints
         self._names = {}
-        self._heads = {}  # response heads' stored forms (saves.headers_json)
+        self._heads = {}
         self._conn = conn
         call_soon(loop, settle, ready, None)
         try:
