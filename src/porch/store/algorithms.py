@@ -16,8 +16,9 @@ not even its roll), and reported with :func:`report` after the decision.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from .base import Algorithm
+from .base import Algorithm, Hit
 
 __all__ = [
     "EPS",
@@ -25,9 +26,11 @@ __all__ = [
     "GCRA",
     "SLIDING",
     "TAGS",
+    "Report",
     "State",
     "charge",
     "expiry",
+    "fill_reports",
     "fits",
     "fresh",
     "read",
@@ -40,6 +43,8 @@ FIXED, SLIDING, GCRA = 0, 1, 2
 TAGS: dict[Algorithm, int] = {"fixed": FIXED, "sliding": SLIDING, "gcra": GCRA}
 
 State = tuple[int, int, float]
+# A limit's (remaining, next, full, retry, stamp) after a decision: see report.
+Report = tuple[int, float, float, float, float]
 """``(n, p, s)`` of one counter key."""
 
 _floor = math.floor
@@ -96,9 +101,20 @@ def charge(tag: int, state: State, cost: int, amount: int, window: float) -> Sta
     return n + cost, p, s
 
 
+def fill_reports(hit: Hit, reports: Sequence[Report], wall: float) -> None:
+    """Write each limit's :func:`report` into ``hit``'s results, and the decisions'
+    ``wall`` time (its verdict and ``fits`` are the caller's)."""
+    hit.remaining = [r[0] for r in reports]
+    hit.next = [r[1] for r in reports]
+    hit.full = [r[2] for r in reports]
+    hit.retry = [r[3] for r in reports]
+    hit.stamp = [r[4] for r in reports]
+    hit.wall = wall
+
+
 def report(
     tag: int, state: State, t: float, cost: int, amount: int, window: float, burst: int
-) -> tuple[int, float, float, float, float]:
+) -> Report:
     """``(remaining, next, full, retry, stamp)`` of a limit after the decision."""
     n, p, s = state
     if tag == FIXED:

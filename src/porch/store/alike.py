@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from .algorithms import TAGS, State, charge, fits, report
+from .algorithms import TAGS, Report, State, charge, fill_reports, fits, report
 from .base import Hit, Settle
 
 __all__ = ["collapse_hits", "fill_decided", "fill_slots"]
@@ -151,7 +151,7 @@ def fill_decided(
             seq.append(state)
         states.append(seq)
     refused_fits: list[bool] | None = None
-    refused_reports: list[tuple[int, float, float, float, float]] | None = None
+    refused_reports: list[Report] | None = None
     for j, hit in enumerate(hits, 1):
         hit.allowed = j <= allowed
         if hit.allowed:
@@ -172,12 +172,7 @@ def fill_decided(
                 ]
             hit.fits = refused_fits
             reports = refused_reports
-        hit.remaining = [r[0] for r in reports]
-        hit.next = [r[1] for r in reports]
-        hit.full = [r[2] for r in reports]
-        hit.retry = [r[3] for r in reports]
-        hit.stamp = [r[4] for r in reports]
-        hit.wall = wall
+        fill_reports(hit, reports, wall)
 
 
 def fill_slots(

@@ -10,7 +10,8 @@ repeatable-read transaction and changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ...errors import StoreError
@@ -64,13 +65,20 @@ class PostgresAdmin:
         self.s = quote_schema(schema)
         self.location = location
 
-    async def _conn(self) -> Any:
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Any]:
+        """A new connection to a porch schema, closed after the command; what fails in
+        the command is a StoreError naming the store (its password redacted)."""
         conn = await self._connect()
-        version = await self._version(conn)
-        if version is None:
+        try:
+            if await self._version(conn) is None:
+                raise StoreError(f"{self.location}: no porch schema here")
+            try:
+                yield conn
+            except Exception as exc:
+                raise StoreError(redact(f"{self.location}: {exc}")) from exc
+        finally:
             await conn.close()
-            raise StoreError(f"{self.location}: no porch schema here")
-        return conn
 
     async def _version(self, conn: Any) -> int | None:
         exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{self.s}.migrations")
@@ -80,8 +88,7 @@ class PostgresAdmin:
         return int(found)
 
     async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
-        conn = await self._conn()
-        try:
+        async with self._session() as conn:
             rows = await conn.fetch(
                 f"SELECT key, count, expires - {_NOW} AS left FROM {self.s}.counters"
                 f" WHERE expires > {_NOW} AND count > 0"
@@ -90,10 +97,6 @@ class PostgresAdmin:
                 most,
                 *([client] if client else []),
             )
-        except Exception as exc:
-            raise StoreError(redact(f"{self.location}: {exc}")) from exc
-        finally:
-            await conn.close()
         found = []
         for row in rows:
             parts = split_counter_key(row["key"])
@@ -104,8 +107,7 @@ class PostgresAdmin:
         return found
 
     async def responses(self, *, client: str | None = None, most: int = 1000) -> list[ResponseInfo]:
-        conn = await self._conn()
-        try:
+        async with self._session() as conn:
             rows = await conn.fetch(
                 f"SELECT key, scope, status, size, expires - {_NOW} AS left, expires"
                 f" FROM {self.s}.records WHERE status IS NOT NULL AND expires > {_NOW}"
@@ -114,10 +116,6 @@ class PostgresAdmin:
                 most,
                 *([f"client:{client}"] if client else []),
             )
-        except Exception as exc:
-            raise StoreError(redact(f"{self.location}: {exc}")) from exc
-        finally:
-            await conn.close()
         return [
             ResponseInfo(
                 row["scope"] or "",
@@ -132,8 +130,7 @@ class PostgresAdmin:
 
     async def reset(self, *, client: str, rule: str | None = None) -> int:
         low, high = (f"rl{US}{rule}{US}", f"rl{US}{rule}\x20") if rule else ("rl" + US, "rl\x20")
-        conn = await self._conn()
-        try:
+        async with self._session() as conn:
             status = await conn.execute(
                 f"DELETE FROM {self.s}.counters WHERE key >= $1 AND key < $2"
                 " AND right(key, length($3) + 1) = chr(31) || $3",
@@ -141,15 +138,10 @@ class PostgresAdmin:
                 high,
                 client,
             )
-        except Exception as exc:
-            raise StoreError(redact(f"{self.location}: {exc}")) from exc
-        finally:
-            await conn.close()
         return int(status.split()[-1])
 
     async def forget(self, *, scope: str, key: str) -> int:
-        conn = await self._conn()
-        try:
+        async with self._session() as conn:
             # Expired now: lookups and claims read it as absent, the prunes reclaim its
             # bytes; the row (and its fence token) stays until then.
             status = await conn.execute(
@@ -157,52 +149,42 @@ class PostgresAdmin:
                 f" AND status IS NOT NULL AND expires > {_NOW}",
                 scope + US + key,
             )
-        except Exception as exc:
-            raise StoreError(redact(f"{self.location}: {exc}")) from exc
-        finally:
-            await conn.close()
         return int(status.split()[-1])
 
     async def purge(self) -> PurgeReport:
         s = self.s
-        conn = await self._conn()
-        try:
-            async with conn.transaction():
-                # The store's own lock order: a usage slot first, then rows by key,
-                # skipping rows a batch holds (they are its to touch).
+        async with self._session() as conn, conn.transaction():
+            # The store's own lock order: a usage slot first, then rows by key,
+            # skipping rows a batch holds (they are its to touch).
+            slot = await conn.fetchval(
+                f"SELECT slot FROM {s}.usage_total ORDER BY slot LIMIT 1 FOR UPDATE SKIP LOCKED"
+            )
+            if slot is None:
                 slot = await conn.fetchval(
-                    f"SELECT slot FROM {s}.usage_total ORDER BY slot LIMIT 1 FOR UPDATE SKIP LOCKED"
+                    f"SELECT slot FROM {s}.usage_total WHERE slot = 0 FOR UPDATE"
                 )
-                if slot is None:
-                    slot = await conn.fetchval(
-                        f"SELECT slot FROM {s}.usage_total WHERE slot = 0 FOR UPDATE"
-                    )
-                counters = await conn.execute(
-                    f"DELETE FROM {s}.counters WHERE key IN (SELECT key FROM {s}.counters"
-                    f" WHERE expires <= {_NOW} FOR UPDATE SKIP LOCKED)"
-                )
-                responses = await conn.fetchval(
-                    f"SELECT {s}.prune_responses_v2({_NOW}, $1, NULL, NULL, NULL, 2147483647)",
-                    slot,
-                )
-                # Claims whose holder died long ago and nobody took over (their reservations).
-                await conn.fetchval(
-                    f"SELECT {s}.prune_claims_v1({_NOW} - 60, $1, NULL, NULL, NULL, 2147483647)",
-                    slot,
-                )
-                # Bodies streamed in parts that are no longer kept (their parts go with them).
-                await conn.execute(
-                    f"DELETE FROM {s}.bodies WHERE id IN (SELECT id FROM {s}.bodies"
-                    f" WHERE expires < {_NOW} FOR UPDATE SKIP LOCKED)"
-                )
-                # The byte totals recomputed from the rows, through this slot: what hosts of
-                # an earlier porch (apply_v2) removed without taking off its client's.
-                for statement in _REPAIRS:
-                    await conn.execute(statement.format(s=s), slot)
-        except Exception as exc:
-            raise StoreError(redact(f"{self.location}: {exc}")) from exc
-        finally:
-            await conn.close()
+            counters = await conn.execute(
+                f"DELETE FROM {s}.counters WHERE key IN (SELECT key FROM {s}.counters"
+                f" WHERE expires <= {_NOW} FOR UPDATE SKIP LOCKED)"
+            )
+            responses = await conn.fetchval(
+                f"SELECT {s}.prune_responses_v2({_NOW}, $1, NULL, NULL, NULL, 2147483647)",
+                slot,
+            )
+            # Claims whose holder died long ago and nobody took over (their reservations).
+            await conn.fetchval(
+                f"SELECT {s}.prune_claims_v1({_NOW} - 60, $1, NULL, NULL, NULL, 2147483647)",
+                slot,
+            )
+            # Bodies streamed in parts that are no longer kept (their parts go with them).
+            await conn.execute(
+                f"DELETE FROM {s}.bodies WHERE id IN (SELECT id FROM {s}.bodies"
+                f" WHERE expires < {_NOW} FOR UPDATE SKIP LOCKED)"
+            )
+            # The byte totals recomputed from the rows, through this slot: what hosts of
+            # an earlier porch (apply_v2) removed without taking off its client's.
+            for statement in _REPAIRS:
+                await conn.execute(statement.format(s=s), slot)
         return PurgeReport(int(counters.split()[-1]), int(responses))
 
     async def check(self) -> CheckReport:

@@ -23,7 +23,18 @@ import sqlite3
 from typing import Any
 
 from ...errors import StoreError
-from ..algorithms import FIXED, GCRA, TAGS, State, charge, expiry, fits, read, report
+from ..algorithms import (
+    FIXED,
+    GCRA,
+    TAGS,
+    State,
+    charge,
+    expiry,
+    fill_reports,
+    fits,
+    read,
+    report,
+)
 from ..algorithms import settle as settled
 from ..base import Hit, Settle, Vacate
 from .saves import chunks
@@ -377,12 +388,7 @@ def _decide(
     ]
     hit.allowed = allowed
     hit.fits = fit
-    hit.remaining = [r[0] for r in reports]
-    hit.next = [r[1] for r in reports]
-    hit.full = [r[2] for r in reports]
-    hit.retry = [r[3] for r in reports]
-    hit.stamp = [r[4] for r in reports]
-    hit.wall = wall
+    fill_reports(hit, reports, wall)
     return created
 
 
