@@ -26,7 +26,7 @@ __all__ = [
     "HitCall",
     "NoClaims",
     "in_thread",
-    "settle",
+    "spin",
     "sqlite_claims",
     "through_apply",
     "until",
@@ -91,7 +91,7 @@ def in_thread(call: Callable[[], T], within: float) -> T:
     return result[0]
 
 
-async def settle(turns: int = 50) -> None:
+async def spin(turns: int = 50) -> None:
     """Let the loop run ``turns`` rounds of whatever is ready.
 
     For asserting that something did *not* happen among in-memory actors (fake

@@ -22,7 +22,7 @@ from porch import IdempotencyMiddleware, KeyPool, SQLiteStore
 from porch._types import Message, Receive, Scope, Send
 from porch.store.base import Parts, PartStore, Quota, Save, StoreOp
 from porch.store.sqlite.blobs import blob_path
-from support import settle, through_apply, until
+from support import spin, through_apply, until
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -155,7 +155,7 @@ async def test_the_last_chunk_leaves_only_after_its_parts_and_record_are_committ
         app = middleware(Exporter(), pool)
         task = asyncio.ensure_future(app(scope, receive, send))
         await until(lambda: store.held, "the response's Save reached the store")
-        await settle()
+        await spin()
         # Every part is in the side file, every chunk but the last has left.
         assert side(store, "SELECT count(*) FROM parts") == [(4,)]
         assert [m.get("more_body", False) for m in sent[1:]] == [True] * (SIZE // CHUNK - 1)

@@ -21,7 +21,7 @@ from porch import (
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.store.base import Quota, Save, StoreOp
 from porch.store.sqlite.claims import ofd_locks_available
-from support import settle, through_apply, until
+from support import spin, through_apply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -373,7 +373,7 @@ async def test_last_chunk_leaves_only_after_the_commit(tmp_path: Path) -> None:
     async with KeyPool(store, size=1) as pool:
         task, sent = keyed_post(IdempotencyMiddleware(handler, pool=pool))
         await until(lambda: store.held, "the response's Save reached the store")
-        await settle()
+        await spin()
         # Start and the first chunk are out; the final chunk waits for the commit.
         assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
         assert [m.get("more_body", False) for m in sent[1:]] == [True]
@@ -396,7 +396,7 @@ async def test_a_one_chunk_response_leaves_whole_after_the_commit(tmp_path: Path
     async with KeyPool(store, size=1) as pool:
         task, sent = keyed_post(IdempotencyMiddleware(one_chunk, pool=pool))
         await until(lambda: store.held, "the response's Save reached the store")
-        await settle()
+        await spin()
         assert sent == []
         store.gate.set()
         await task

@@ -19,7 +19,7 @@ from porch.store.base import (
     StoreStatistics,
 )
 from porch.store.sqlite import SQLiteStore
-from support import HitCall, NoClaims, settle, through_apply, until
+from support import HitCall, NoClaims, spin, through_apply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -79,7 +79,7 @@ async def test_up_to_in_flight_batches_apply_at_once() -> None:
         second = send(pool, finished)
         await until(lambda: len(store.batches) == 2)  # sent while the first is out
         third = send(pool, finished)
-        await settle()
+        await spin()
         assert len(store.batches) == 2  # no room: the third waits in the mailbox
         assert pool.statistics().queued == 1
         store.batches[0].gate.set()
@@ -101,7 +101,7 @@ async def test_replies_keep_batch_order_when_batches_finish_out_of_order() -> No
         store.batches[2].gate.set()
         store.batches[1].gate.set()
         await until(lambda: store.batches[1].applied and store.batches[2].applied)
-        await settle()
+        await spin()
         assert finished == []  # the first batch is still out: nobody is answered yet
         store.batches[0].gate.set()
         await asyncio.gather(*(c.future for c in calls))
@@ -119,7 +119,7 @@ async def test_a_failed_batch_fails_only_its_calls_in_turn() -> None:
         store.batches[0].fail = StoreError("server went away")
         store.batches[1].gate.set()
         await until(lambda: store.batches[1].applied, "the second batch is done")
-        await settle()
+        await spin()
         assert not good.future.done()  # waits for the failed batch's turn
         store.batches[0].gate.set()
         with pytest.raises(StoreError, match="server went away"):
@@ -152,7 +152,7 @@ async def test_close_answers_the_batches_out_first() -> None:
     closing = asyncio.create_task(pool.close())
     with pytest.raises(PoolClosedError):
         await queued.future
-    await settle()
+    await spin()
     assert not closing.done()
     assert not store.closed
     for batch in store.batches:
@@ -203,7 +203,7 @@ async def test_a_key_has_one_claim_out_while_its_save_is_in_flight(tmp_path: obj
         pool.submit("s\x1fkey", other)  # a later batch on the same shard
         # Committed (the first claim's batch and other's); the replies wait for the Save's turn.
         await until(lambda: store.applied == 2, "other's batch committed")
-        await settle()
+        await spin()
         assert not second.future.done()
         assert not other.future.done()
         store.gate.set()

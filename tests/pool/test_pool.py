@@ -12,7 +12,7 @@ from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, St
 from porch.pool._pool import KeyPool, Shard
 from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
-from support import HitCall, NoClaims, settle, until
+from support import HitCall, NoClaims, spin, until
 
 pytestmark = pytest.mark.anyio
 
@@ -84,7 +84,7 @@ async def test_calls_are_answered_after_the_batch_commits() -> None:
         for c in calls:
             pool.submit("k", c)
         await until(lambda: store.batches == [3], "the batch reached the store")
-        await settle()
+        await spin()
         assert not any(c.future.done() for c in calls)
         store.gate.set()
         results = await asyncio.gather(*(c.future for c in calls))

@@ -149,7 +149,7 @@ class _InFlight:
     def waiting(self) -> int:
         return len(self.waiters)
 
-    def settle(self, claim: Claim, carrier: Acquire | None) -> None:
+    def claim_committed(self, claim: Claim, carrier: Acquire | None) -> None:
         """The batch with this key's Claim committed: answer, hand ownership, or watch."""
         if claim.stored is not None:
             self.forget()
@@ -283,11 +283,11 @@ class Acquire(Call):
     def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:
         state = cast("_InFlight | None", shard.parked.get(self.key))
         if state is not None:
-            state.waiters.append(self)  # answered when the key is settled
+            state.waiters.append(self)  # answered once the key's claim is decided
             self.arm(state)
             return
         # The first caller is the first waiter: the claim's outcome answers it
-        # like everyone parked behind it meanwhile (see _InFlight.settle).
+        # like everyone parked behind it meanwhile (see _InFlight.claim_committed).
         state = _InFlight(shard, self.key, self.reservation)
         shard.parked[self.key] = state
         state.waiters.append(self)
@@ -330,7 +330,7 @@ class Acquire(Call):
         if claim is not None:
             state = cast("_InFlight | None", shard.parked.get(self.key))
             if state is not None:
-                state.settle(claim, self)
+                state.claim_committed(claim, self)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
@@ -364,7 +364,7 @@ class _Relook(Call):
 
     def finish(self, shard: Shard) -> None:
         if self.claim is not None and self.state.current():
-            self.state.settle(self.claim, None)
+            self.state.claim_committed(self.claim, None)
 
     def fail(self, shard: Shard | None, exc: BaseException) -> None:
         if self.state.current():

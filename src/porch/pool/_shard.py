@@ -146,7 +146,7 @@ class Shard:
     def abandon(self, exc: BaseException) -> None:
         """Close this actor without awaiting its task: its event loop has stopped."""
         for call in self.mailbox.close():
-            # A future of a closed loop cannot be settled; nobody awaits it any more.
+            # A future of a closed loop cannot be resolved; nobody awaits it any more.
             with contextlib.suppress(RuntimeError):
                 call.fail(self, exc)
         self._task = None
@@ -213,7 +213,7 @@ class Shard:
         pending: deque[_Applying] = deque()
         room: list[asyncio.Future[None]] = []  # the actor, waiting for a batch to be done
 
-        def settled(_: object) -> None:
+        def batch_done(_: object) -> None:
             while pending and pending[0].done.done():
                 self._reply(pending.popleft())
             if room:
@@ -247,7 +247,7 @@ class Shard:
                     entry.task.add_done_callback(entry.applied)
                 else:
                     entry.done.set_result(None)
-            entry.done.add_done_callback(settled)
+            entry.done.add_done_callback(batch_done)
             pending.append(entry)
             # Only batches the store is applying take room (one that needed no op does not).
             await wait(lambda: applying() >= depth)

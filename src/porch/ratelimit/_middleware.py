@@ -374,7 +374,7 @@ class RateLimitMiddleware:
                     if isinstance(hit, Hit) and not hit.allowed:
                         memory.remember(keys[0], hit)
                     else:
-                        memory.settle(keys[0])
+                        memory.forget_expired(keys[0])
         if not isinstance(hit, Hit):
             await self._failed(hit, scope, receive, send)
             return
@@ -479,7 +479,7 @@ class RateLimitMiddleware:
                     ):
                         memory.remember(memo, hit)
                     else:
-                        memory.settle(memo)
+                        memory.forget_expired(memo)
         if not isinstance(hit, Hit):
             await self._failed(hit, scope, receive, send)
             return

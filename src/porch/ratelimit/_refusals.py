@@ -81,7 +81,7 @@ class RefusalMemory:
 
     def recall(self, key: str) -> Remembered | asyncio.Future[None] | None:
         """A live refusal to answer from; a future to wait on (another request is asking the
-        store); or None: ask the store, then :meth:`settle`."""
+        store); or None: ask the store, then :meth:`remember` or :meth:`forget_expired`."""
         entry = self.entries.get(key)
         if entry is None:
             return None
@@ -91,7 +91,7 @@ class RefusalMemory:
             entry.refreshing = asyncio.get_running_loop().create_future()
             return None
         if entry.refreshing.done() or entry.refreshing.get_loop() is not asyncio.get_running_loop():
-            # Its refresher settled without replacing it (a store error), or ran on an
+            # Its refresher finished without replacing it (a store error), or ran on an
             # event loop that has gone (the pool follows its loop): ask again.
             entry.refreshing = asyncio.get_running_loop().create_future()
             return None
@@ -115,7 +115,7 @@ class RefusalMemory:
             self._evict(now)
         entries[key] = entry
 
-    def settle(self, key: str) -> None:
+    def forget_expired(self, key: str) -> None:
         """The store answered, not with a refusal (or failed): forget an expired memory."""
         entry = self.entries.get(key)
         # A live entry is a newer refusal another request remembered: keep it.

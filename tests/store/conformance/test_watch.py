@@ -17,7 +17,7 @@ import time
 import pytest
 
 from porch.store.base import Claim, Release, Save, Store, StoredResponse
-from support import settle
+from support import spin
 
 from .conftest import Backend
 
@@ -126,7 +126,7 @@ async def test_a_cancelled_watch_is_not_woken(backend: Backend) -> None:
     await control.wait()
     # The release's one notification wakes every watch of the key together: a wrongly
     # woken cancelled watch would be a few loop turns behind the control, at most.
-    await settle()
+    await spin()
     assert cancelled.wakes == 0
 
 

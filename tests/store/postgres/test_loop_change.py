@@ -26,7 +26,7 @@ asyncpg = pytest.importorskip("asyncpg")
 DEADLINE = 20.0  # a loaded machine ends a loop in well under a second; a hang is forever
 
 
-async def settled_connections(url: str, name: str, at_most: int) -> int:
+async def connections_named(url: str, name: str, at_most: int) -> int:
     """Connections named ``name``, once at most ``at_most`` (a closed one's backend exits soon)."""
     conn = await asyncpg.connect(url)
     try:
@@ -64,11 +64,11 @@ def test_each_loop_change_closes_the_old_connections_quietly(
     for _ in range(6):
         assert client.get("/").status_code == 200
     # The last loop's store is still open: its two workers and its listener at most.
-    assert asyncio.run(settled_connections(postgres_url, name, 3)) <= 3
+    assert asyncio.run(connections_named(postgres_url, name, 3)) <= 3
     problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert problems == []
     asyncio.run(pool.close())  # from yet another loop: quiet too
-    assert asyncio.run(settled_connections(postgres_url, name, 0)) == 0
+    assert asyncio.run(connections_named(postgres_url, name, 0)) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 

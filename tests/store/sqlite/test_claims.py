@@ -16,7 +16,7 @@ from porch.errors import StoreError
 from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.claims import KeyLocks, SQLiteClaims, ofd_locks_available
-from support import settle, until
+from support import spin, until
 
 pytestmark = pytest.mark.skipif(not ofd_locks_available(), reason="needs Linux OFD locks")
 
@@ -298,7 +298,7 @@ async def test_watch_wakes_when_the_holder_releases_and_cancel_silences_it(
     assert await asyncio.wait_for(woken, 10) == "releasing"  # not before the release
     # Both watches share the key's one waiting thread, whose wake schedules them together:
     # a wrongly woken cancelled one would be a few loop turns behind, at most.
-    await settle()
+    await spin()
     assert silenced == []  # cancelled before the wake: a late wake is a no-op
     assert (await claim(theirs)).token > 0
 

@@ -24,7 +24,7 @@ from porch.store.sqlite.upkeep import (
     Checkpoints,
     FairBatches,
 )
-from support import settle, until, used
+from support import spin, until, used
 
 pytestmark = pytest.mark.anyio
 
@@ -234,13 +234,13 @@ async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
                 )
                 for i in range(20)
             ]
-            await settle()  # each hands its batch to the writer's queue in its first step
+            await spin()  # each hands its batch to the writer's queue in its first step
             # The writer took the first of them (and waits for the lock with them).
             await until(lambda: store._writer.queued() < len(big), "the writer took a batch")
             small = asyncio.create_task(apply("hit", [Hit(["k"], [5], [60.0])]))
             # Queued within a few loop turns (at once, or by the inline flush that finds
             # the file busy), before the lock is let go.
-            await settle()
+            await spin()
         finally:
             blocker.execute("COMMIT")
             blocker.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
+from ..._futures import resolve
 from ..._types import ASGIApp, Message, Receive, Scope, Send
 from ...ratelimit._costs import RESERVATIONS
 from ._environ import scope_of, status_line
@@ -175,7 +176,7 @@ class Exchange:
                     elif message.get("body"):
                         yield message["body"]
                     if reply is not None:
-                        self._settle(reply, None, None)
+                        self._reply(reply, None, None)
                 elif what == "done":
                     exc = future.exception() if not future.cancelled() else None
                     if exc is not None:
@@ -205,17 +206,18 @@ class Exchange:
             else:  # "next"
                 result = self._next_chunk()
         except BaseException as exc:
-            self._settle(reply, None, exc)
+            self._reply(reply, None, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        self._settle(reply, result, None)
+        self._reply(reply, result, None)
 
-    def _settle(self, reply: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    def _reply(self, reply: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        """From the app's thread: answer the ASGI side's request on its loop."""
         loop = self.loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop stopped: nobody waits
-                loop.call_soon_threadsafe(_settle, reply, result, exc)
+                loop.call_soon_threadsafe(resolve, reply, exc, result)
 
     def _read(self) -> bytes:
         """The next chunk of the request body, never past CONTENT_LENGTH (PEP 3333)."""
@@ -295,12 +297,3 @@ def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
 
 def _no_write(data: bytes) -> object:
     raise RuntimeError("porch's WSGI middleware does not support the write() callable")
-
-
-def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(result)
-    else:
-        future.set_exception(exc)

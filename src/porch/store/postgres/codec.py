@@ -23,7 +23,7 @@ from ..base import (
 )
 from .hits import CounterArrays, fill_counters
 
-__all__ = ["Op", "Renew", "arguments", "settle"]
+__all__ = ["Op", "Renew", "arguments", "fill_from_rows"]
 
 _HIT, _LOOKUP, _CLAIM, _SAVE, _RELEASE, _RENEW, _SETTLE = 1, 2, 3, 4, 5, 6, 7
 _BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
@@ -134,7 +134,7 @@ def _caps(quota: Quota | None) -> tuple[int, int, int]:
     return quota.scope_bytes, quota.total_bytes, quota.client_bytes
 
 
-def settle(
+def fill_from_rows(
     ops: list[Op],
     alike: dict[int, list[Hit]],
     rows: list[Any],

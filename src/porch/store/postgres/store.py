@@ -57,7 +57,7 @@ from ..base import (
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Listen, Renewals, key_hash
-from .codec import Op, arguments, settle
+from .codec import Op, arguments, fill_from_rows
 from .hits import fill_counters, hit_arguments
 from .parts import PostgresParts
 from .schema import migrate, quote_schema, read_secret
@@ -428,7 +428,7 @@ class PostgresStore:
                 arguments = self._arguments(sent, alike, now)
                 async with asyncio.timeout(self.statement_timeout + 0.5):
                     rows = await conn.fetch(self._sql, *arguments)
-                settle(sent, alike, rows, self._held, wall)
+                fill_from_rows(sent, alike, rows, self._held, wall)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     self._forget(job_ops)
@@ -492,7 +492,7 @@ class PostgresStore:
         if rest:
             async with asyncio.timeout(self.statement_timeout + 0.5):
                 rows = await conn.fetch(self._sql, *self._arguments(rest, {}, now))
-            settle(rest, {}, rows, self._held, wall)
+            fill_from_rows(rest, {}, rows, self._held, wall)
 
     async def _lease_round(
         self, conn: Any, ops: list[Op], slots: list[Lease], lease: float | None

@@ -1,8 +1,8 @@
-"""How a store op becomes one Redis command, and how the command's reply settles the op.
+"""How a store op becomes one Redis command, and how the command's reply fills the op in.
 
 A command is a server-side script call (by name; the store runs it by SHA) or,
 for a Lookup, a plain HMGET of the key's record. The store sends a batch's
-commands as one pipeline and settles each op from its reply.
+commands as one pipeline and fills each op in from its reply.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..base import (
 )
 from .keys import KeyNames
 
-__all__ = ["Command", "command", "settle"]
+__all__ = ["Command", "command", "fill_from_reply"]
 
 _DEFAULT_QUOTA = Quota()
 _BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
@@ -125,7 +125,7 @@ def command(
     raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
 
 
-def settle(
+def fill_from_reply(
     held: HeldLeases,
     op: StoreOp,
     result: Any,

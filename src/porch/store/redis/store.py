@@ -36,7 +36,7 @@ from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, 
 from ..transport import check_transport
 from ..urls import redact
 from .claims import Renewals, Subscription
-from .commands import Command, command, settle
+from .commands import Command, command, fill_from_reply
 from .group import GroupPipeline
 from .keys import KeyNames
 from .parts import RedisParts
@@ -343,7 +343,7 @@ class RedisStore:
             raise
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
-            settle(self._held, op, result, alike.get(i), wall)
+            fill_from_reply(self._held, op, result, alike.get(i), wall)
 
     async def _execute_now(self, commands: list[Command]) -> list[Any]:
         """``commands`` as one pipeline of their own, on the store's client."""

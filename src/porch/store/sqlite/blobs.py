@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..._files import private_file
+from ..._futures import resolve
 from ...clock import Clock
 from ...errors import StoreError
 from ..base import PART_GRACE, Durability, Parts, Release, Save
@@ -91,7 +92,7 @@ _TABLES = frozenset({"blobs", "parts"})
 
 
 class _PartWrite:
-    """A part to write, and the future its writer awaits (settled on its loop)."""
+    """A part to write, and the future its writer awaits (resolved on its loop)."""
 
     __slots__ = ("blob", "data", "future", "key", "loop", "seq")
 
@@ -111,17 +112,9 @@ class _PartWrite:
         self.loop = loop
         self.future = future
 
-    def settle(self, error: BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(_settle, self.future, error)
-
-
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+    def reply(self, error: BaseException | None) -> None:
+        """From the side file's thread: the part is written (or ``error``)."""
+        self.loop.call_soon_threadsafe(resolve, self.future, error)
 
 
 def blob_path(path: Path) -> Path:
@@ -393,7 +386,7 @@ class Blobs:
             logger.error("porch: writing response bodies to %s failed: %s", self.path, exc)
             error = StoreError(f"SQLite store {self.path}: {exc}")
         for part in parts:
-            part.settle(error)
+            part.reply(error)
         if error is not None:
             for ops, loop, done in jobs:
                 # Nothing stored; the claims the saves were ending end all the same.

@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._futures import resolve
 from ...clock import Clock, SystemClock
 from ...errors import ConfigurationError, StoreError
 from ..base import (
@@ -37,7 +38,7 @@ from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
 from .saves import BLOB_ABOVE
 from .slots import SQLiteSlots
-from .writer import Done, Job, SQLiteWriter, settle
+from .writer import Done, Job, SQLiteWriter
 
 if TYPE_CHECKING:
     from .admin import SQLiteAdmin
@@ -229,9 +230,9 @@ class SQLiteStore:
         return self._writer.statistics()
 
     async def apply(self, ops: Sequence[StoreOp]) -> None:
-        # The caller's loop settles it (the pool may have moved to another loop).
+        # Resolved on the caller's loop (the pool may have moved to another loop).
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._writer.apply_then(ops, partial(settle, future))
+        self._writer.apply_then(ops, partial(resolve, future))
         await future
 
     def apply_then(self, ops: Sequence[StoreOp], done: Done) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ..._eventlog import EventLog
 from ..._files import private_directory, private_file, tighten
+from ..._futures import resolve
 from ...clock import Clock
 from ...errors import StoreError
 from ..base import Durability, Hit, Release, Save, Settle, StoreOp, StoreStatistics, Vacate
@@ -60,7 +61,6 @@ __all__ = [
     "call_soon",
     "done_all",
     "open_private",
-    "settle",
 ]
 
 logger = logging.getLogger("porch.store")
@@ -333,7 +333,7 @@ class SQLiteWriter:
             conn = self._connect()
         except Exception as exc:
             failed = StoreError(f"cannot open SQLite store {self.path}: {exc}")
-            call_soon(loop, settle, ready, failed)
+            call_soon(loop, resolve, ready, failed)
             return
         checkpoints = Checkpoints(self._checkpointer, self._checkpoint_failed, self._wake)
         checkpoints.start(conn, f"porch-checkpoint:{self.path.name}")
@@ -341,7 +341,7 @@ class SQLiteWriter:
         self._names = {}
         self._heads = {}
         self._conn = conn
-        call_soon(loop, settle, ready, None)
+        call_soon(loop, resolve, ready, None)
         try:
             self._serve(conn, checkpoints)
         finally:
@@ -544,15 +544,6 @@ def call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> Non
     # A stopped and closed loop has nobody left to answer; the writer must live on.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback, *args)
-
-
-def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
 
 
 def _ignore(error: BaseException | None) -> None:
