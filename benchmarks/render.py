@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from charts import charts
+from choices import CHOICES
 from targets import BOUNDS, target_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,6 +337,7 @@ def main() -> None:
         doc += cpu_text(cpu)
     if curves is not None:
         doc += curves_text(curves)
+    doc += ["", CHOICES]
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(doc))
     print("wrote README.md block, docs/benchmarks.md,", ", ".join(f"docs/img/{m}" for m in made))
 

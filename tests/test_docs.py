@@ -41,3 +41,19 @@ def test_the_examples_of_a_guide_run(
         module = types.ModuleType("docs_example")
         monkeypatch.setitem(sys.modules, "docs_example", module)
         exec(compile(block, str(page), "exec"), module.__dict__)
+
+
+def test_the_design_layout_names_every_module() -> None:
+    """docs/design.md's Layout describes the tree as it is: every module of src/porch is
+    named there, under its folder (a new module is added to it in the same change)."""
+    design = (DOCS / "design.md").read_text()
+    layout = design[design.index("## Layout") :]
+    start = layout.index("```")
+    block = layout[start : layout.index("```", start + 3)]
+    source = ROOT / "src" / "porch"
+    missing = [
+        str(path.relative_to(source))
+        for path in sorted(source.rglob("*.py"))
+        if path.name not in block or (path.parent != source and f"{path.parent.name}/" not in block)
+    ]
+    assert not missing, f"not in docs/design.md's Layout: {missing}"

@@ -1,0 +1,80 @@
+"""The figures behind design choices, for docs/benchmarks.md (render.py places them).
+
+Each was measured once, when the choice was made, and says how; bench.sh does not
+measure them again. docs/design.md states the choices and links here.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CHOICES"]
+
+CHOICES = """## Design choices, measured
+
+The figures behind choices that [the design](design.md) states. Each was measured once,
+when the choice was made, on the same shared 2-CPU machine, and says with what; unlike
+the sections above, `./scripts/bench.sh` does not measure them again. Where no script in
+the repository reproduces a figure, it says so.
+
+### PostgreSQL: four batches in flight
+
+A hot counter's batches queue on its row lock, which each holds through its commit's WAL
+flush. `limiter-postgres` with four batches out, interleaved with two on a loaded box:
+0.44 → 0.60× bare, event-loop CPU per request 57.3 → 53.3 µs, about 0.06 transactions
+per request at 64 connections (the command was not recorded).
+
+### PostgreSQL and Redis: the batch functions of the policies
+
+Against the fixed-window functions and script they replaced (`python benchmarks/ab.py
+--base 878651f --variants bare,limiter-postgres,limiter-redis --connections 64 --rounds 6
+--duration 5`, medians of 6 interleaved rounds):
+
+- `limiter-postgres`: 7,492 against 6,460 requests/s, event loop 56.3 against 62.7 µs a
+  request; an earlier run of 5 rounds had it the other way, 2,698 against 2,985.
+- `limiter-redis`: 8,972 against 8,430 requests/s, event loop 61.5 against 62.2 µs a
+  request; the earlier run 2,793 against 3,338.
+
+Both the same within the box's noise. Batches per request at 64 connections: about 0.06
+transactions for `limiter-postgres` (four batches out: smaller ones), 0.02 for
+`idem-replay-postgres`, 0.05-0.07 for `idem-first-postgres` (a claim and a save per
+request); 0.03 pipelines for `limiter-redis`.
+
+### PostgreSQL: the driver
+
+asyncpg and psycopg 3 side by side (`python benchmarks/pgdriver.py`: porch's own call,
+`hits_v1` on the real schema, 4 calls in flight from one uvloop loop pinned to the app's
+core, 3 interleaved rounds; 2026-12-01). Calls per second are the same within noise (the
+server's commit and WAL flush bound them): 2,631 against 2,491 for one hot client, 1,672
+against 1,737 for 16 clients. The event loop spends 44.6 µs per call with asyncpg against
+112.0 µs with psycopg (text; 111.0 binary) for one hot client, and 71.1 against 183.5
+(176.0) for 16 clients.
+
+### PostgreSQL: how soon a dead or frozen holder's keys come free
+
+With the default `lease=3.0` (renewed every second): a `kill -9`ed holder's key was
+claimable again 2.0-3.1 s after its death, and a SIGSTOPped holder's claim was taken over
+2.0 s after its last renewal (observations, no script). Session advisory locks, measured
+as the alternative, were free about 55 ms after `kill -9`, but stay held by a frozen or
+cut-off host until TCP keepalive gives up (about 2 h by default). Slots: in the gate
+(`tests/e2e/test_gate_hosts.py`, a host killed -9 holding two slots) the other host's
+next checkout passed 2.9 s after the kill.
+
+### SQLite: page size and WAL size
+
+Smaller pages for new files: a new client dirties one random leaf per commit, and at 2048
+bytes the writer and checkpoint spent about 2 µs less per new client in process (5 of 5
+rounds; at 1024 bytes about the same: deeper trees and more splits take back what the
+smaller frames save), within the noise over HTTP (keys-1000000: +0.5% and +3%, 4 of 6
+rounds ahead). But a stored response spans twice the overflow pages: claim+save +9% and
+lookup +23% for an 8 KB body, +16% and +40% at 40 KB (1024 bytes: +16%/+38% and
++29%/+89%). A 4 MiB WAL limit instead of 16 MiB lost 2.7% on keys-1000000 at 64
+connections (3 of 3 rounds). No script reproduces the in-process figures.
+
+### SQLite: compact counter rows
+
+The bounded prune, planned by SQLite as one `DELETE ... WHERE (name, client) IN (SELECT
+...)`, searched on `name` alone: 46 ms per batch with 200k live clients, against 0.5 ms
+reading the expired keys first and deleting each by its primary key. An IPv4 client's row
+is about a third of the full-key row: 628 pages for 52k clients without the `expires`
+index, 1004 with it, against 1880 for the full text key with its index. Both measured in
+process, once; no script.
+"""
