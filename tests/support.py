@@ -8,9 +8,11 @@ on a loaded machine and makes a passing test say nothing.
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,16 +20,19 @@ from typing import Any, TypeVar
 import pytest
 
 from porch.pool._shard import Call, Shard
-from porch.store.base import Hit, StoreOp
+from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from porch.store.sqlite import SQLiteStore
 
 __all__ = [
     "HOSTILE_BODIES",
+    "GatedBatch",
+    "GatedStore",
     "HitCall",
     "NoClaims",
     "in_thread",
     "spin",
     "sqlite_claims",
+    "stop_process",
     "through_apply",
     "until",
     "used",
@@ -123,6 +128,78 @@ class NoClaims:
         self, key: str, wake: Callable[[], None], retry_after: float | None
     ) -> Callable[[], None]:
         raise AssertionError("nothing is ever held elsewhere in this fake store")
+
+
+class GatedBatch:
+    """A batch a :class:`GatedStore` was sent: it waits for its ``gate``, then raises
+    its ``fail`` (or the store's), if any; ``applied`` once it passed."""
+
+    def __init__(self, ops: Sequence[StoreOp]) -> None:
+        self.ops = ops
+        self.gate = asyncio.Event()
+        self.fail: Exception | None = None
+        self.applied = False
+
+
+class GatedStore:
+    """A fake store whose batches each wait for a gate, so a test holds a shard busy
+    (:meth:`open_gates`: every batch passes, now and later) or decides the order batches
+    finish in (``batches[i].gate``). Every hit it applies is allowed."""
+
+    claims: Claims = NoClaims()
+    secret = b"s" * 32
+
+    def __init__(self, in_flight: int = 1) -> None:
+        self.capabilities = Capabilities(in_flight=in_flight)
+        self.batches: list[GatedBatch] = []
+        self.fail: Exception | None = None  # every batch's, once past its gate
+        self.closed = False
+        self._open = False
+
+    def open_gates(self) -> None:
+        self._open = True
+        for batch in self.batches:
+            batch.gate.set()
+
+    def sizes(self) -> list[int]:
+        """How many ops each batch held, in arrival order."""
+        return [len(batch.ops) for batch in self.batches]
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        batch = GatedBatch(ops)
+        self.batches.append(batch)
+        if self._open:
+            batch.gate.set()
+        await batch.gate.wait()
+        batch.applied = True
+        fail = batch.fail or self.fail
+        if fail is not None:
+            raise fail
+        for op in ops:
+            assert isinstance(op, Hit)
+            op.allowed = True
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(len(self.batches), sum(self.sizes()), 0)
+
+
+def stop_process(process: subprocess.Popen[bytes], within: float = 20.0) -> None:
+    """SIGTERM ``process`` if it still runs (a server shuts down cleanly), SIGKILL it if it
+    has not ended ``within`` seconds later."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(within)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 # Every one of these answered 500 or was accepted before the demo validated its input.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -29,13 +28,6 @@ pytestmark = pytest.mark.anyio
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"hello"})
-
-
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    yield p
-    await p.close()
 
 
 def records(caplog: pytest.LogCaptureFixture, outcome: str) -> list[logging.LogRecord]:

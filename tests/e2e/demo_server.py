@@ -360,6 +360,13 @@ def launch_demos(root: Path) -> Iterator[DemoLauncher]:
             server.cleanup()
 
 
+def porch_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m porch ARGV...`` (the operator's commands), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "porch", *argv], capture_output=True, text=True, timeout=60
+    )
+
+
 def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One complete response (status, lower-cased headers, body) from a keep-alive socket."""
     data = b""

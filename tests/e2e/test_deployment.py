@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from servers import free_port
+from support import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -55,13 +55,7 @@ def running(
             time.sleep(0.1)
         yield process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def forged_burst(url: str, source: str = "127.0.0.1") -> list[int]:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from servers import free_port
+from support import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -114,13 +115,7 @@ def serve(example: Example, data: Path) -> Iterator[tuple[str, subprocess.Popen[
             time.sleep(0.1)
         yield base, process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def rows(path: Path, sql: str) -> int:

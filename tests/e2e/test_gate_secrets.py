@@ -8,12 +8,11 @@ import base64
 import hashlib
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from demo_server import DemoLauncher, launch_demos
+from demo_server import DemoLauncher, launch_demos, porch_cli
 
 from servers import running_redis
 
@@ -26,12 +25,6 @@ SECRET = "Pw-9d1e7c"
 def demo(tmp_path: Path) -> Iterator[DemoLauncher]:
     with launch_demos(tmp_path) as launcher:
         yield launcher
-
-
-def porch_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "porch", *argv], capture_output=True, text=True, timeout=60
-    )
 
 
 def shown(done: subprocess.CompletedProcess[str]) -> str:

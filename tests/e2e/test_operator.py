@@ -9,8 +9,6 @@ import json
 import random
 import shutil
 import sqlite3
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from demo_server import DemoLauncher, DemoServer, launch_demos
+from demo_server import DemoLauncher, DemoServer, launch_demos, porch_cli
 
 import porch
 from support import wait_until
@@ -31,12 +29,6 @@ pytestmark = [pytest.mark.e2e]
 def demo(tmp_path: Path) -> Iterator[DemoLauncher]:
     with launch_demos(tmp_path) as launcher:
         yield launcher
-
-
-def porch_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "porch", *argv], capture_output=True, text=True, timeout=60
-    )
 
 
 def get(server: DemoServer, client: str) -> httpx.Response:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import socket
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -22,6 +21,7 @@ from porch import IdempotencyMiddleware, KeyPool, SQLiteStore
 from porch._types import Message, Receive, Scope, Send
 from porch.store.base import Parts, PartStore, Quota, Save, StoreOp
 from porch.store.sqlite.blobs import blob_path
+from servers import free_port
 from support import spin, through_apply, until
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -249,13 +249,6 @@ class TamperingParts:
 
     def drop(self, key: str, body: int) -> None:
         self.inner.drop(key, body)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.asynccontextmanager

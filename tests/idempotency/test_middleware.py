@@ -70,13 +70,6 @@ class Handler:
 
 
 @pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    yield p
-    await p.close()
-
-
-@pytest.fixture
 def handler() -> Handler:
     return Handler()
 

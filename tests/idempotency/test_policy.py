@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,13 +32,6 @@ from support import until
 from .test_middleware import Handler, keyed, no_cookies
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    yield p
-    await p.close()
 
 
 def client(app: Any) -> httpx.AsyncClient:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ from porch.ratelimit import CostRequest, settle
 pytestmark = pytest.mark.anyio
 
 PEER = "10.4.4.4"
-
-
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    await p.start()
-    yield p
-    await p.close()
 
 
 def client(app: Any) -> httpx.AsyncClient:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,6 @@ from porch.ratelimit import CostRequest, settle
 pytestmark = pytest.mark.anyio
 
 PEER = "10.3.3.3"
-
-
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    await p.start()  # the tables exist before any count is read
-    yield p
-    await p.close()
 
 
 def client(app: Any, peer: str = PEER) -> httpx.AsyncClient:

@@ -11,57 +11,14 @@ from porch.errors import PoolClosedError, StoreError
 from porch.idempotency._ownership import OWNER, Acquire, Complete, Report
 from porch.pool._pool import KeyPool
 from porch.store.base import (
-    Capabilities,
-    Claims,
     Hit,
     StoredResponse,
     StoreOp,
-    StoreStatistics,
 )
 from porch.store.sqlite import SQLiteStore
-from support import HitCall, NoClaims, spin, through_apply, until
+from support import GatedStore, HitCall, spin, through_apply, until
 
 pytestmark = pytest.mark.anyio
-
-
-class Batch:
-    def __init__(self, ops: Sequence[StoreOp]) -> None:
-        self.ops = ops
-        self.gate = asyncio.Event()
-        self.fail: Exception | None = None
-        self.applied = False  # past its gate: the store is done with it
-
-
-class GatedStore:
-    """Every batch waits for its own gate, so a test decides the order batches finish in."""
-
-    claims: Claims = NoClaims()
-    secret = b"s" * 32
-
-    def __init__(self, in_flight: int) -> None:
-        self.capabilities = Capabilities(in_flight=in_flight)
-        self.batches: list[Batch] = []
-        self.closed = False
-
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        self.closed = True
-
-    async def apply(self, ops: Sequence[StoreOp]) -> None:
-        batch = Batch(ops)
-        self.batches.append(batch)
-        await batch.gate.wait()
-        batch.applied = True
-        if batch.fail is not None:
-            raise batch.fail
-        for op in ops:
-            assert isinstance(op, Hit)
-            op.allowed = True
-
-    def statistics(self) -> StoreStatistics:
-        return StoreStatistics(len(self.batches), 0, 0)
 
 
 def send(pool: KeyPool, finished: list[HitCall]) -> HitCall:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -10,42 +9,11 @@ import pytest
 from porch._types import Message, Receive, Scope, Send
 from porch.errors import ConfigurationError, PoolClosedError, SaturatedError, StoreError
 from porch.pool._pool import KeyPool, Shard
-from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
+from porch.store.base import Hit, StoreOp
 from porch.store.sqlite import SQLiteStore
-from support import HitCall, NoClaims, spin, until
+from support import GatedStore, HitCall, spin, until
 
 pytestmark = pytest.mark.anyio
-
-
-class GatedStore:
-    """A store whose transactions wait for a gate, to hold a shard busy."""
-
-    claims: Claims = NoClaims()
-    capabilities = Capabilities()
-    secret = b"s" * 32
-
-    def __init__(self) -> None:
-        self.gate = asyncio.Event()
-        self.batches: list[int] = []
-        self.fail: Exception | None = None
-
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def apply(self, ops: Sequence[StoreOp]) -> None:
-        self.batches.append(len(ops))
-        await self.gate.wait()
-        if self.fail is not None:
-            raise self.fail
-        for op in ops:
-            assert isinstance(op, Hit)
-            op.allowed = True
-
-    def statistics(self) -> StoreStatistics:
-        return StoreStatistics(len(self.batches), sum(self.batches), 0)
 
 
 @pytest.mark.parametrize(
@@ -83,13 +51,13 @@ async def test_calls_are_answered_after_the_batch_commits() -> None:
         calls = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
         for c in calls:
             pool.submit("k", c)
-        await until(lambda: store.batches == [3], "the batch reached the store")
+        await until(lambda: store.sizes() == [3], "the batch reached the store")
         await spin()
         assert not any(c.future.done() for c in calls)
-        store.gate.set()
+        store.open_gates()
         results = await asyncio.gather(*(c.future for c in calls))
         assert all(h.allowed for h in results)
-        assert store.batches == [3]  # one drain, one transaction
+        assert store.sizes() == [3]  # one drain, one transaction
 
 
 async def test_saturated_shard_refuses_at_once() -> None:
@@ -97,21 +65,21 @@ async def test_saturated_shard_refuses_at_once() -> None:
     async with KeyPool(store, size=1, mailbox=2) as pool:
         first = HitCall(Hit(["k"], [1], [1.0]))
         pool.submit("k", first)
-        await until(lambda: store.batches == [1], "the shard took it and waits on the store")
+        await until(lambda: store.sizes() == [1], "the shard took it and waits on the store")
         pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
         pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
         with pytest.raises(SaturatedError):
             pool.submit("k", HitCall(Hit(["k"], [1], [1.0])))
         stats = pool.statistics()
         assert (stats.queued, stats.calls, stats.saturations) == (2, 3, 1)
-        store.gate.set()
+        store.open_gates()
         await first.future
 
 
 async def test_store_failure_fails_the_batch_and_the_shard_lives_on() -> None:
     store = GatedStore()
     store.fail = RuntimeError("disk on fire")
-    store.gate.set()
+    store.open_gates()
     async with KeyPool(store, size=1) as pool:
         bad = HitCall(Hit(["k"], [1], [1.0]))
         pool.submit("k", bad)
@@ -129,7 +97,7 @@ async def test_close_wakes_every_queued_caller() -> None:
     await pool.start()
     running = HitCall(Hit(["k"], [1], [1.0]))
     pool.submit("k", running)
-    await until(lambda: store.batches == [1], "the first call reached the store")
+    await until(lambda: store.sizes() == [1], "the first call reached the store")
     queued = [HitCall(Hit(["k"], [1], [1.0])) for _ in range(3)]
     for c in queued:
         pool.submit("k", c)
@@ -138,7 +106,7 @@ async def test_close_wakes_every_queued_caller() -> None:
         with pytest.raises(PoolClosedError, match="closed before this call was answered"):
             await asyncio.wait_for(c.future, 10)
     assert not closing.done()  # it waits for the batch in flight
-    store.gate.set()
+    store.open_gates()
     await closing
     assert (await running.future).allowed  # the batch in flight still completes
     with pytest.raises(PoolClosedError):
@@ -172,7 +140,7 @@ async def test_a_failing_call_does_not_kill_its_shard() -> None:
             raise RuntimeError("bug in a call")
 
     store = GatedStore()
-    store.gate.set()
+    store.open_gates()
     async with KeyPool(store, size=1) as pool:
         broken = Broken(Hit(["k"], [1], [1.0]))
         pool.submit("k", broken)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,13 +19,6 @@ pytestmark = pytest.mark.anyio
 async def ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"ok"})
-
-
-@pytest.fixture
-async def pool(tmp_path: Path) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path), size=2)
-    yield p
-    await p.close()
 
 
 def client(app: ASGIApp) -> httpx.AsyncClient:

@@ -26,8 +26,10 @@ import pytest
 
 from porch.clock import ManualClock, SystemClock
 from porch.pool._pool import KeyPool
-from porch.store.base import Store
+from porch.store.base import Algorithm, Hit, Store
 from servers import missing_backend
+
+from .model import Policy, Report
 
 _MODULES = {
     "sqlite": ("porch.store.sqlite", "SQLiteStore"),
@@ -41,6 +43,32 @@ HOLDER = Path(__file__).with_name("holder.py")
 # (test_policies.py) compares such a store with the reference model to the bit, and
 # skips a backend not named here. SQLite's whole store runs on its injected clock.
 COUNTER_CLOCKS: frozenset[str] = frozenset({"postgres", "redis"})
+
+
+def hit_on(policies: list[Policy], cost: int) -> Hit:
+    """A hit on every one of ``policies`` (a rule's limits), taking ``cost`` units."""
+    algorithms: list[Algorithm] = [p.algorithm for p in policies]  # type: ignore[misc]
+    return Hit(
+        [p.key for p in policies],
+        [p.amount for p in policies],
+        [p.window for p in policies],
+        algorithms,
+        [p.burst for p in policies],
+        cost,
+    )
+
+
+def report_of(hit: Hit) -> Report:
+    """What a store answered ``hit``, as the model answers it."""
+    return Report(
+        hit.allowed,
+        list(hit.fits),
+        list(hit.remaining),
+        list(hit.next),
+        list(hit.full),
+        list(hit.retry),
+        list(hit.stamp),
+    )
 
 
 class Backend:

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from porch.clock import ManualClock
-from porch.store.base import Algorithm, Hit, Settle, Store
+from porch.store.base import Hit, Settle, Store
 
-from .conftest import Backend
+from .conftest import Backend, hit_on, report_of
 from .model import Model, Policy, Report
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +73,6 @@ async def play(store: Store, clock: ManualClock, drawn: list[Any], batches: list
         Policy(f"rl\x1falike{run}\x1fl{level}\x1f{LEVELS[level]}", algorithm, amount, window, burst)
         for level, algorithm, amount, window, burst in drawn
     ]
-    algorithms: list[Algorithm] = [p.algorithm for p in policies]  # type: ignore[misc]
     model = Model()
     counted: list[tuple[Hit, Report]] = []
     for dt, (kind, a, b) in batches:
@@ -85,29 +84,11 @@ async def play(store: Store, clock: ManualClock, drawn: list[Any], batches: list
                 await asyncio.wait_for(store.apply([Settle.of(hit, hit.cost + b)]), 30)
                 model.settle(policies, b, report.stamp, t)
             continue
-        hits = [
-            Hit(
-                [p.key for p in policies],
-                [p.amount for p in policies],
-                [p.window for p in policies],
-                algorithms,
-                [p.burst for p in policies],
-                b,
-            )
-            for _ in range(a)
-        ]
+        hits = [hit_on(policies, b) for _ in range(a)]
         await asyncio.wait_for(store.apply(hits), 30)
         for i, hit in enumerate(hits):
             want = model.hit(policies, b, t)
-            got = Report(
-                hit.allowed,
-                list(hit.fits),
-                list(hit.remaining),
-                list(hit.next),
-                list(hit.full),
-                list(hit.retry),
-                list(hit.stamp),
-            )
+            got = report_of(hit)
             assert got == want, (i, len(hits), b, t, [(p.algorithm, p.amount) for p in policies])
             if hit.allowed:
                 counted.append((hit, want))

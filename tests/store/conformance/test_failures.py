@@ -19,11 +19,11 @@ from typing import TypeVar
 import pytest
 
 from porch.errors import StoreError
-from porch.store.base import Algorithm, Claim, Hit, Release, Settle, Store
+from porch.store.base import Claim, Hit, Release, Settle, Store
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
 from support import used
 
-from .conftest import Backend
+from .conftest import Backend, hit_on, report_of
 from .model import Model, Policy, Report
 from .test_watch import Waiter
 
@@ -124,32 +124,13 @@ async def test_a_server_killed_and_restarted_keeps_every_policys_state(backend: 
                 Policy("rl\x1fcrash\x1fsliding\x1fclient:a", "sliding", 7, 10.0, 7),
                 Policy("rl\x1fcrash\x1fgcra\x1forg:1", "gcra", 4, 8.0, 6),
             ]
-            algorithms: list[Algorithm] = [p.algorithm for p in policies]  # type: ignore[misc]
             model = Model()
 
-            def hit(cost: int) -> Hit:
-                return Hit(
-                    [p.key for p in policies],
-                    [p.amount for p in policies],
-                    [p.window for p in policies],
-                    algorithms,
-                    [p.burst for p in policies],
-                    cost,
-                )
-
             async def decide(cost: int) -> tuple[Hit, Report]:
-                made = hit(cost)
+                made = hit_on(policies, cost)
                 await store.apply([made])
                 want = model.hit(policies, cost, clock.monotonic())
-                got = Report(
-                    made.allowed,
-                    list(made.fits),
-                    list(made.remaining),
-                    list(made.next),
-                    list(made.full),
-                    list(made.retry),
-                    list(made.stamp),
-                )
+                got = report_of(made)
                 assert got == want
                 return made, want
 

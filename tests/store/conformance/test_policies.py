@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from porch.clock import ManualClock
 from porch.store.base import Algorithm, Hit, Settle, Store, StoreOp
 
-from .conftest import Backend
+from .conftest import Backend, hit_on, report_of
 from .model import Model, Policy, Report
 
 pytestmark = pytest.mark.anyio
@@ -109,18 +109,6 @@ class Run:
         self.model = Model()
         self.allowed: list[tuple[list[Policy], int, Hit, Report]] = []
 
-    @staticmethod
-    def hit(policies: list[Policy], cost: int) -> Hit:
-        algorithms: list[Algorithm] = [p.algorithm for p in policies]  # type: ignore[misc]
-        return Hit(
-            [p.key for p in policies],
-            [p.amount for p in policies],
-            [p.window for p in policies],
-            algorithms,
-            [p.burst for p in policies],
-            cost,
-        )
-
     async def batch(self, step: int, dt: float, actions: list[tuple[str, int, int]]) -> None:
         self.clock.advance(dt)
         t = self.clock.monotonic()  # the moment the store decides at
@@ -129,7 +117,7 @@ class Run:
         for kind, which, amount in actions:
             if kind == "hit":
                 policies = self.rules[which % len(self.rules)]
-                hit = self.hit(policies, amount)
+                hit = hit_on(policies, amount)
                 ops.append(hit)
                 expected.append((hit, self.model.hit(policies, amount, t), policies, amount))
             elif self.allowed:
@@ -150,15 +138,7 @@ class Run:
                 self.model.settle(policies, delta, reported.stamp, t)
         await asyncio.wait_for(self.store.apply(ops), 30)
         for hit, want, policies, cost in expected:
-            got = Report(
-                hit.allowed,
-                list(hit.fits),
-                list(hit.remaining),
-                list(hit.next),
-                list(hit.full),
-                list(hit.retry),
-                list(hit.stamp),
-            )
+            got = report_of(hit)
             assert got == want, (step, t, [(p.key[-9:], p.algorithm) for p in policies], cost)
             if hit.allowed:
                 self.allowed.append((policies, cost, hit, want))
