@@ -283,7 +283,9 @@ async def test_a_body_that_changes_while_it_is_replayed_never_arrives_whole(
     # What a client sees: the head and some parts, then the connection closed short of
     # the Content-Length (its last part held back): never a complete forged response.
     store = SQLiteStore(tmp_path)
-    tampering = TamperingParts(store, store._blobs)
+    parts = store.capabilities.parts  # the side file's
+    assert parts is not None
+    tampering = TamperingParts(store, parts)
     store.capabilities = replace(store.capabilities, parts=tampering)
     app = Exporter()
     async with (

@@ -244,7 +244,9 @@ class VanishingParts:
 
     def __init__(self, store: SQLiteStore) -> None:
         self.store = store
-        self.inner = store._blobs
+        inner = store.capabilities.parts  # the side file's parts
+        assert inner is not None
+        self.inner = inner
         self.part_bytes = self.inner.part_bytes
         self.vanish = False
 
