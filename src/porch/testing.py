@@ -8,8 +8,11 @@ Installed with porch and loaded by pytest on its own (the ``pytest11`` entry poi
 - ``porch_store``: a throwaway store that decides on ``porch_clock``: SQLite in a new
   temporary directory (removed afterwards), or, with ``--porch-store URL`` (or the
   ``PORCH_TEST_STORE`` environment variable), a PostgreSQL or Redis server, each test in a
-  schema or key prefix of its own (dropped afterwards). A store that keeps its server's
-  clock is still given (``porch.honours_clock`` says so) and ``porch.advance`` refuses it.
+  schema or key prefix of its own (dropped afterwards). Every store porch ships takes the
+  test clock (``clock=``, a test hook): its rate-limit windows move with ``porch.advance``
+  on PostgreSQL and Redis too. (Their idempotency claims, leases and stored responses keep
+  the server's clock.) A third party's store that keeps its server's clock is still given
+  (``porch.honours_clock`` says so) and ``porch.advance`` refuses it.
 - ``porch_pool``: a :class:`~porch.KeyPool` over ``porch_store``, for your app's
   middlewares; it follows the event loop that uses it and is closed afterwards.
 - ``porch``: a :class:`Porch` helper over the three — ``advance``, ``reset``, ``counts``,
@@ -98,8 +101,8 @@ class Porch:
 
     @property
     def honours_clock(self) -> bool:
-        """Whether the store decides on ``clock`` (True for SQLite; a network store decides
-        on its server's clock unless it takes a test clock)."""
+        """Whether the store decides on ``clock`` (True for every store porch ships: the
+        fixture gives each the test's clock; a store that keeps its server's clock: False)."""
         return self.store.capabilities.clock is self.clock
 
     def advance(self, seconds: float) -> None:
@@ -208,12 +211,13 @@ def porch_store(request: pytest.FixtureRequest, porch_clock: ManualClock) -> Ite
 
     scheme = url.split(":", 1)[0].lower()
     name = f"porch_t{uuid.uuid4().hex[:12]}"
+    # The network stores decide their counters on the test's clock (their test hook).
     if scheme.startswith("postgres"):
-        store = open_store(url, schema=name)
+        store = open_store(url, schema=name, clock=porch_clock)
     elif scheme in ("redis", "rediss", "unix"):
-        store = open_store(url, prefix=name)
+        store = open_store(url, prefix=name, clock=porch_clock)
     else:
-        store = open_store(url)
+        store = open_store(url, clock=porch_clock)
     try:
         _on_a_thread(lambda: _created(store))
         yield store

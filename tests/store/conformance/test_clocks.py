@@ -71,3 +71,27 @@ async def test_hosts_with_skewed_clocks_share_one_window(backend: Backend, offse
     fresh = await there()
     assert (fresh.allowed, used(fresh)) == (True, [1])
     assert used(await here()) == [2]
+
+
+async def test_the_admin_reads_counters_on_the_clock_they_were_decided_on(
+    backend: Backend,
+) -> None:
+    # A store given a test clock (porch.testing's) decides its counters on it: its admin
+    # (porch.counts, porch inspect) must read them on it too, or a live counter would
+    # read as long gone (or a gone one as live) once the test moves the clock.
+    clock = backend.counter_clock()
+    if clock is None:
+        pytest.skip(f"{backend.name}: no test clock for its counters")
+    store = await backend.store(clock=clock)
+    key = "rl\x1fapi\x1f2-per-60s\x1fc1"
+    await store.apply([Hit([key], [2], [60.0])])
+    admin = store.capabilities.admin
+    assert admin is not None
+    [counter] = await admin().counters(client="c1")
+    assert (counter.rule, counter.limit, counter.count) == ("api", "2-per-60s", 1)
+    assert 59.0 < counter.reset_in <= 60.0
+    clock.advance(30)
+    [counter] = await admin().counters(client="c1")
+    assert 29.0 < counter.reset_in <= 30.0
+    clock.advance(31)  # the window has ended on the test clock, not on the server's
+    assert await admin().counters(client="c1") == []

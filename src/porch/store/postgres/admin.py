@@ -1,7 +1,8 @@
 """The admin protocol on PostgreSQL: one connection per command, the server's clock.
 
 Windows and expiries are server time (Unix seconds from ``clock_timestamp()``),
-as the store decides them. ``purge`` deletes what the store's own bounded
+as the store decides them (a store given a test clock decides its counters on that
+clock, and its admin reads them on it too). ``purge`` deletes what the store's own bounded
 pruning would, through the same function and in the same lock order (a usage
 slot, then rows by key, skipping rows a batch holds), keeping the byte
 accounting exact; ``check`` reads in one read-only
@@ -14,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from ...clock import Clock
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
 from ..urls import redact
@@ -60,10 +62,22 @@ _REPAIRS = (
 class PostgresAdmin:
     """:class:`~porch.store.admin.StoreAdmin` for one PostgreSQL schema."""
 
-    def __init__(self, connect: Callable[[], Awaitable[Any]], schema: str, location: str) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[Any]],
+        schema: str,
+        location: str,
+        clock: Clock | None = None,
+    ) -> None:
         self._connect = connect  # a new connection to the store's database, as the store's
         self.s = quote_schema(schema)
         self.location = location
+        self._clock = clock  # the store's test clock, which its counters are on (or None)
+
+    def _counters_now(self) -> str:
+        """The counters' time in SQL: the server's, or the store's test clock's (a float,
+        written as a literal)."""
+        return _NOW if self._clock is None else f"{float(self._clock.monotonic())!r}::float8"
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[Any]:
@@ -88,10 +102,11 @@ class PostgresAdmin:
         return int(found)
 
     async def counters(self, *, client: str | None = None, most: int = 1000) -> list[CounterInfo]:
+        now = self._counters_now()
         async with self._session() as conn:
             rows = await conn.fetch(
-                f"SELECT key, count, expires - {_NOW} AS left FROM {self.s}.counters"
-                f" WHERE expires > {_NOW} AND count > 0"
+                f"SELECT key, count, expires - {now} AS left FROM {self.s}.counters"
+                f" WHERE expires > {now} AND count > 0"
                 + (" AND right(key, length($2) + 1) = chr(31) || $2" if client else "")
                 + " ORDER BY key LIMIT $1",
                 most,
@@ -165,7 +180,7 @@ class PostgresAdmin:
                 )
             counters = await conn.execute(
                 f"DELETE FROM {s}.counters WHERE key IN (SELECT key FROM {s}.counters"
-                f" WHERE expires <= {_NOW} FOR UPDATE SKIP LOCKED)"
+                f" WHERE expires <= {self._counters_now()} FOR UPDATE SKIP LOCKED)"
             )
             responses = await conn.fetchval(
                 f"SELECT {s}.prune_responses_v2({_NOW}, $1, NULL, NULL, NULL, 2147483647)",

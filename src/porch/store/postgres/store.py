@@ -351,7 +351,7 @@ class PostgresStore:
         from .admin import PostgresAdmin
 
         location = f"{redact(self.url)} (schema {self.schema})"
-        return PostgresAdmin(self._connect, self.schema, location)
+        return PostgresAdmin(self._connect, self.schema, location, self.clock)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ...clock import Clock
 from ...errors import StoreError
 from ..admin import US, CheckReport, CounterInfo, PurgeReport, ResponseInfo, split_counter_key
 from ..urls import redact
@@ -71,12 +72,19 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 class RedisAdmin:
     """:class:`~porch.store.admin.StoreAdmin` for one Redis store (one prefix)."""
 
-    def __init__(self, connect: Callable[[int], Any], names: KeyNames, location: str) -> None:
+    def __init__(
+        self,
+        connect: Callable[[int], Any],
+        names: KeyNames,
+        location: str,
+        clock: Clock | None = None,
+    ) -> None:
         self._connect = connect  # a new client of the store's server, as the store's
         self.names = names
         self.prefix = names.prefix
         self.location = location
         self._client: Any = None
+        self._clock = clock  # the store's test clock, which its counters are on (or None)
 
     async def _redis(self) -> Any:
         if self._client is None:
@@ -113,8 +121,11 @@ class RedisAdmin:
         chosen.sort(key=lambda item: item[0])
         chosen = chosen[:most]
         try:
-            seconds, micros = await redis.time()
-            now = seconds + micros / 1e6
+            if self._clock is None:
+                seconds, micros = await redis.time()
+                now = seconds + micros / 1e6
+            else:
+                now = self._clock.monotonic()
             async with redis.pipeline(transaction=False) as pipe:
                 for name, _ in chosen:
                     pipe.hmget(name, "n", "e")

@@ -314,7 +314,8 @@ class RedisStore:
         """The operator's view of this prefix (``porch inspect|reset|purge|check``)."""
         from .admin import RedisAdmin
 
-        return RedisAdmin(self._connect, self.names, f"{redact(self.url)} (prefix {self.prefix})")
+        location = f"{redact(self.url)} (prefix {self.prefix})"
+        return RedisAdmin(self._connect, self.names, location, self.clock)
 
     def statistics(self) -> StoreStatistics:
         pipelines = self._transactions + (self._group.pipelines if self._group else 0)
