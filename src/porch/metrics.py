@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ._types import ASGIApp, Receive, Scope, Send
 
 __all__ = [
+    "FUNCTION_OUTCOMES",
     "IDEMPOTENCY_OUTCOMES",
     "UNAVAILABLE_CAUSES",
     "UNSTORED_REASONS",
@@ -54,6 +55,25 @@ IDEMPOTENCY_OUTCOMES = (
     "too_large",
     "quota",
     "integrity",
+)
+#: What became of one call of an idempotent function (each call counts once): ``executed``
+#: (it ran and its result is stored), ``failed`` (it ran and raised: nothing stored, the
+#: next call runs it), ``unstored`` (it ran and returned, but its result was not stored:
+#: over ``max_stored``, its claim lost, or the store failed; a retry runs it again),
+#: ``replayed`` (the stored result was returned), ``mismatch`` (KeyReusedError),
+#: ``conflict`` (KeyInProgressError), ``quota`` (QuotaFullError: refused before it ran),
+#: ``integrity`` (IntegrityError), ``unavailable`` (the pool could not decide: saturated,
+#: the store failed or the pool was closed).
+FUNCTION_OUTCOMES = (
+    "executed",
+    "failed",
+    "unstored",
+    "replayed",
+    "mismatch",
+    "conflict",
+    "quota",
+    "integrity",
+    "unavailable",
 )
 UNAVAILABLE_CAUSES = ("saturated", "store", "unidentified", "quota", "integrity")
 UNSTORED_REASONS = ("quota", "fenced")
@@ -122,6 +142,20 @@ class PorchMetrics:
             ["cause"],
             registry=target,
         )
+        self.function_calls = prom.Counter(
+            "porch_idempotent_function_calls",
+            "Calls of idempotent functions, by function and outcome (executed, failed,"
+            " unstored, replayed, mismatch, conflict, quota, integrity, unavailable).",
+            ["function", "outcome"],
+            registry=target,
+        )
+        self.function_waits = prom.Counter(
+            "porch_idempotent_function_waits",
+            "Calls of idempotent functions that waited for another call of their key"
+            " (then got its result, ran after it failed, or gave up: conflict).",
+            ["function"],
+            registry=target,
+        )
         self.commit_seconds = prom.Histogram(
             "porch_store_commit_seconds",
             "Seconds a shard waited for its group commit (one store transaction).",
@@ -167,6 +201,12 @@ class PorchMetrics:
             self.ratelimit_requests.labels(rule, "allowed"),
             self.ratelimit_requests.labels(rule, "refused"),
         )
+
+    def function(self, name: str) -> tuple[dict[str, Any], Any]:
+        """The outcome counters (by outcome) and the waits counter of the idempotent
+        function ``name``, bound once per function."""
+        calls = {o: self.function_calls.labels(name, o) for o in FUNCTION_OUTCOMES}
+        return calls, self.function_waits.labels(name)
 
     def watch(self, pool: Watched) -> None:
         """Report ``pool``'s mailbox depth and parked waiters (the pool calls this)."""

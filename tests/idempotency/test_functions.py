@@ -17,12 +17,16 @@ from porch import (
     IdempotencyMiddleware,
     IdempotencyPolicy,
     IntegrityError,
+    KeyInProgressError,
     KeyPool,
+    KeyReusedError,
+    PorchMetrics,
     Quota,
     SQLiteStore,
     idempotent_function,
 )
 from porch.idempotency import JSONCodec
+from support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -195,3 +199,75 @@ async def test_a_signed_result_counts_its_head_and_mac_against_max_stored(
         assert await f(290) == "x" * 290  # 290 + 2 quotes fit 300 alone, not with the rest
         assert await f(290) == "x" * 290
     assert runs == [100, 290, 290]
+
+
+async def test_each_calls_outcome_and_each_wait_is_counted_per_function(tmp_path: Path) -> None:
+    metrics = PorchMetrics()
+    running, release = asyncio.Event(), asyncio.Event()
+
+    async def charge(order: str, amount: int = 1) -> str:
+        if order == "slow":
+            running.set()
+            await release.wait()
+        if amount < 0:
+            raise ValueError("a refund is no charge")
+        return "x" * amount
+
+    async with KeyPool(SQLiteStore(tmp_path), metrics=metrics) as pool:
+        small = IdempotencyPolicy(max_stored=300, wait_timeout=10)
+        f = idempotent_function(pool, key="order", name="charge", policy=small)(charge)
+        conflicting = idempotent_function(
+            pool,
+            key="order",
+            name="charge",
+            policy=small.replace(concurrent="conflict"),
+        )(charge)
+        assert await f("o1") == "x"  # executed
+        assert await f("o1") == "x"  # replayed
+        with pytest.raises(KeyReusedError):
+            await f("o1", 2)  # mismatch
+        with pytest.raises(ValueError, match="no charge"):
+            await f("o2", -1)  # failed
+        assert await f("o3", 400) == "x" * 400  # unstored: over max_stored
+        owner = asyncio.ensure_future(f("slow"))
+        await asyncio.wait_for(running.wait(), 10)
+        with pytest.raises(KeyInProgressError):
+            await conflicting("slow")  # conflict, at once: no wait
+        duplicate = asyncio.ensure_future(f("slow"))
+        await until(
+            lambda: sum(waiting for _, waiting in pool.shard_load()) == 1,
+            "the duplicate waiting behind its owner",
+        )
+        release.set()
+        assert list(await asyncio.wait_for(asyncio.gather(owner, duplicate), 10)) == ["x", "x"]
+
+        def counted(name: str, **labels: str) -> float:
+            value = metrics.registry.get_sample_value(name, {"function": "charge", **labels})
+            return value or 0.0
+
+        calls = {
+            o: counted("porch_idempotent_function_calls_total", outcome=o)
+            for o in (
+                "executed",
+                "replayed",
+                "mismatch",
+                "failed",
+                "unstored",
+                "conflict",
+                "quota",
+                "integrity",
+                "unavailable",
+            )
+        }
+        assert calls == {
+            "executed": 2.0,  # o1, slow
+            "replayed": 2.0,  # o1, the slow one's duplicate
+            "mismatch": 1.0,
+            "failed": 1.0,
+            "unstored": 1.0,
+            "conflict": 1.0,
+            "quota": 0.0,
+            "integrity": 0.0,
+            "unavailable": 0.0,
+        }
+        assert counted("porch_idempotent_function_waits_total") == 1.0  # the duplicate

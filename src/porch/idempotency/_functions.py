@@ -12,7 +12,10 @@ dies with its holder, as the store promises). The result is kept for ``ttl``
 seconds, encoded by a codec (JSON by default) as a stored response's body. As a keyed
 request's, a call's claim reserves ``max_stored`` bytes of the function's quota (a
 full quota refuses the call before it runs), and with an ``integrity_key`` its
-result is signed when stored and checked before a stored result is returned.
+result is signed when stored and checked before a stored result is returned. With the
+pool's :class:`~porch.PorchMetrics`, each call's outcome is counted per function
+(``porch_idempotent_function_calls``), and so are the calls that waited for another
+(``porch_idempotent_function_waits``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from ..errors import (
     IntegrityError,
     KeyInProgressError,
     KeyReusedError,
+    PoolClosedError,
     QuotaFullError,
+    SaturatedError,
     StoreError,
 )
 from ..pool._pool import KeyPool
@@ -139,7 +144,18 @@ class IdempotentFunction(Generic[P, R]):
         self._async = _is_async(func)
         self._loop: Any = None  # the sync path's background loop, made at first use
         self._loop_guard = threading.Lock()
+        metrics = pool.metrics
+        # Bound once: a call increments, it never looks labels up.
+        self._calls: dict[str, Any] | None = None
+        self._waits: Any = None
+        if metrics is not None:
+            self._calls, self._waits = metrics.function(name)
         functools.update_wrapper(self, func)
+
+    def _count(self, outcome: str) -> None:
+        """Count one call's outcome (see porch.metrics.FUNCTION_OUTCOMES)."""
+        if self._calls is not None:
+            self._calls[outcome].inc()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.with_key(None)(*args, **kwargs)
@@ -195,9 +211,11 @@ class IdempotentFunction(Generic[P, R]):
             result = await cast(Callable[..., Awaitable[Any]], self.func)(*args, **kwargs)
             body, value = self._encoded(result)
         except BaseException:
+            self._count("failed")
             self._release(key, acquire.token, shard)  # nothing stored: the next call runs
             raise
-        await self._save(key, acquire.token, shard, digest, body)
+        stored = await self._save(key, acquire.token, shard, digest, body)
+        self._count("executed" if stored else "unstored")
         return value
 
     def _encoded(self, result: Any) -> tuple[bytes, Any]:
@@ -209,24 +227,33 @@ class IdempotentFunction(Generic[P, R]):
 
     async def _acquire(self, key: str, digest: bytes) -> tuple[Outcome, Acquire, int]:
         pool = self.pool
-        if not pool.started:
-            await pool.start()
         policy = self.policy
         wait = policy.wait_timeout if policy.concurrent == "wait" else 0.0
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         acquire = Acquire(future, key, digest, wait, self.reservation)
-        shard = pool.submit(key, acquire)
         try:
-            outcome = await future
-        except asyncio.CancelledError:
-            # Cancelled just as ownership arrived: the claim must not be left held.
-            if future.done() and not future.cancelled() and future.result() is OWNER:
-                self._release(key, acquire.token, shard)
-            raise
+            if not pool.started:
+                await pool.start()
+            shard = pool.submit(key, acquire)
+            try:
+                outcome = await future
+            except asyncio.CancelledError:
+                # Cancelled just as ownership arrived: the claim must not be left held.
+                if future.done() and not future.cancelled() and future.result() is OWNER:
+                    self._release(key, acquire.token, shard)
+                raise
         except TimeoutError:
+            self._count("conflict")
+            if wait > 0 and self._waits is not None:
+                self._waits.inc()
             raise KeyInProgressError(
                 f"{self.name}: a call with this key is still running (waited {wait:.1f} s)"
             ) from None
+        except (SaturatedError, StoreError, PoolClosedError):
+            self._count("unavailable")
+            raise
+        if wait > 0 and acquire.waited and self._waits is not None:
+            self._waits.inc()
         return outcome, acquire, shard
 
     def _answer(self, key: str, outcome: Outcome) -> Any:
@@ -234,6 +261,7 @@ class IdempotentFunction(Generic[P, R]):
         or the key was used for other arguments; or the result could not be stored."""
         if isinstance(outcome, StoredResponse):
             if self.integrity is not None and not self.integrity.verify(key, outcome):
+                self._count("integrity")
                 logger.error(
                     "porch: %s's stored result failed its integrity check (written without"
                     " integrity_key, or tampered with); not returned",
@@ -241,15 +269,19 @@ class IdempotentFunction(Generic[P, R]):
                 )
                 raise IntegrityError(f"{self.name}: the stored result failed its integrity check")
             if outcome.parts is not None:  # never stored so: a result is stored whole
+                self._count("unavailable")
                 raise StoreError(f"{self.name}: the stored result is kept in parts")
+            self._count("replayed")
             return self.codec.decode(outcome.body)
         if isinstance(outcome, QuotaFull):
+            self._count("quota")
             whose = "the store's" if outcome.bucket == "total" else "this function's"
             raise QuotaFullError(
                 f"{self.name}: {whose} stored results have reached their quota: its result"
                 " could not be stored, so it was not run; retry once earlier results expire",
                 outcome.bucket,
             )
+        self._count("mismatch")
         raise KeyReusedError(
             f"{self.name}: this key's stored result is for a call with other arguments"
         )
@@ -270,9 +302,9 @@ class IdempotentFunction(Generic[P, R]):
             done.set_exception(exc)
         return done
 
-    async def _save(self, key: str, token: int, shard: int, digest: bytes, body: bytes) -> None:
-        """Store the result (ends the claim); a failure to store is logged, not raised: the
-        work is done, and its caller gets its result."""
+    async def _save(self, key: str, token: int, shard: int, digest: bytes, body: bytes) -> bool:
+        """Store the result (ends the claim); whether it was stored. A failure to store is
+        logged, not raised: the work is done, and its caller gets its result."""
         stored = StoredResponse(digest, 200, ((b"content-type", self.codec.media_type),), body)
         if self.integrity is not None:
             stored = self.integrity.sign(key, stored)
@@ -285,15 +317,17 @@ class IdempotentFunction(Generic[P, R]):
                 self.policy.max_stored,
             )
             self._release(key, token, shard)
-            return
+            return False
         try:
             outcome = await self._report(key, token, shard, stored)
         except Exception as exc:
             # The work is done: return its result, but say that a retry will run it again.
             logger.error("porch: could not store %s's result for replay: %s", self.name, exc)
-            return
+            return False
         if outcome != "saved":
             logger.error("porch: %s's result was not stored (%s)", self.name, outcome)
+            return False
+        return True
 
     # The sync path: the pool runs on a background loop; the function on the caller's thread.
 
@@ -309,6 +343,7 @@ class IdempotentFunction(Generic[P, R]):
             # The store did not answer in time: give up the call (a claim it took
             # meanwhile is released by the cancelled acquire), never hold the key.
             pending.cancel()
+            self._count("unavailable")
             raise StoreError(f"{self.name}: no answer from the store in {bound:.0f} s") from None
         if outcome is not OWNER:
             return self._answer(key, outcome)
@@ -316,11 +351,13 @@ class IdempotentFunction(Generic[P, R]):
             result = self.func(*args, **kwargs)
             body, value = self._encoded(result)
         except BaseException:
+            self._count("failed")
             loop.call_soon_threadsafe(self._release, key, acquire.token, shard)
             raise
-        asyncio.run_coroutine_threadsafe(
+        stored = asyncio.run_coroutine_threadsafe(
             self._save(key, acquire.token, shard, digest, body), loop
         ).result(bound)
+        self._count("executed" if stored else "unstored")
         return value
 
     def _background(self) -> asyncio.AbstractEventLoop:

@@ -294,6 +294,11 @@ class Acquire(Call):
         self.claim = self.reservation.claim(self.key)
         ops.append(self.claim)
 
+    @property
+    def waited(self) -> bool:
+        """Whether this call waited behind another holder of its key (here or elsewhere)."""
+        return self.deadline is not None
+
     def arm(self, state: _InFlight) -> None:
         # Only a waiting call pays for a timer: the common first caller never waits.
         self.state = state
