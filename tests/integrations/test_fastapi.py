@@ -893,3 +893,50 @@ async def test_a_limit_keyed_by_a_dependency_on_a_websocket_route_fails_at_insta
 
     with pytest.raises(ConfigurationError, match="WebSocket route"):
         install(app, pool)
+
+
+async def test_a_plan_reads_what_the_key_dependency_resolved(pool: KeyPool, tmp_path: Path) -> None:
+    # The plan is chosen after the key dependency ran: it can read what the dependency
+    # left on request.state (the user's plan, from the same lookup).
+    app = FastAPI()
+    accounts = {"k-pro": ("acme", "pro"), "k-free": ("zeta", None)}
+
+    async def account_key(request: Request, x_api_key: str = Header("-")) -> str | None:
+        found = accounts.get(x_api_key)
+        if found is None:
+            return None
+        name, plan = found
+        if plan is not None:
+            request.state.plan = plan
+        return "acct:" + name
+
+    async def plan_of(scope: Any) -> str | None:
+        state: Any = scope.get("state", {})
+        plan: str | None = state.get("plan")
+        return plan
+
+    limit = RateLimit(
+        "1/minute",
+        name="api",
+        key=Depends(account_key),
+        plans=Plans({"pro": "3/minute"}, plan=plan_of),
+    )
+
+    @app.get("/things", dependencies=[Depends(limit)])
+    async def things() -> dict[str, str]:
+        return {}
+
+    install(app, pool)
+    async with client(app) as c:
+        pro = [
+            (await c.get("/things", headers={"x-api-key": "k-pro"})).status_code for _ in range(4)
+        ]
+        free = [
+            (await c.get("/things", headers={"x-api-key": "k-free"})).status_code for _ in range(2)
+        ]
+    assert pro == [200, 200, 200, 429]
+    assert free == [200, 429]
+    assert counters(tmp_path) == {
+        "rl\x1fapi\x1fper-60s\x1facct:acme": 3,  # per window, whatever the plan
+        "rl\x1fapi\x1fper-60s\x1facct:zeta": 1,
+    }
