@@ -3,6 +3,7 @@ loaded by pytest from porch's entry point, with no import."""
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 from typing import Any
 
@@ -17,6 +18,13 @@ from porch import ConfigurationError, KeyPool, Limit, RateLimitMiddleware, Rule
 from porch.testing import Porch, assert_limited, assert_not_limited
 
 pytest_plugins = ["pytester"]
+
+# pytester drops from sys.modules, as a test ends, every module imported during it; asyncpg's
+# compiled modules, imported again by a later test, crashed the interpreter (a segfault in
+# the next PostgreSQL connect). Imported with this module, the drivers are kept.
+with contextlib.suppress(ImportError):
+    import asyncpg  # noqa: F401
+    import redis.asyncio  # noqa: F401
 
 
 def create_app(pool: KeyPool) -> Starlette:
