@@ -11,7 +11,7 @@ of its entries (one script each, so a concurrent save cannot skew it).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...clock import Clock
@@ -75,11 +75,15 @@ class RedisAdmin:
     def __init__(
         self,
         connect: Callable[[int], Any],
+        close: Callable[[Any], Awaitable[None]],
         names: KeyNames,
         location: str,
         clock: Clock | None = None,
     ) -> None:
         self._connect = connect  # a new client of the store's server, as the store's
+        # Closes a client and its pool's connections (the pool is the client's own, which
+        # redis-py's aclose() leaves open), bounded: as the store closes its clients.
+        self._close = close
         self.names = names
         self.prefix = names.prefix
         self.location = location
@@ -92,7 +96,7 @@ class RedisAdmin:
             try:
                 await client.ping()
             except Exception as exc:
-                await client.aclose()
+                await self._close(client)
                 raise StoreError(redact(f"{self.location}: {exc}")) from exc
             self._client = client
         return self._client
@@ -256,4 +260,4 @@ class RedisAdmin:
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await self._close(client)

@@ -315,7 +315,7 @@ class RedisStore:
         from .admin import RedisAdmin
 
         location = f"{redact(self.url)} (prefix {self.prefix})"
-        return RedisAdmin(self._connect, self.names, location, self.clock)
+        return RedisAdmin(self._connect, _close_client, self.names, location, self.clock)
 
     def statistics(self) -> StoreStatistics:
         pipelines = self._transactions + (self._group.pipelines if self._group else 0)
@@ -420,6 +420,9 @@ async def _keep(closing: asyncio.Event, client: Redis, subscriber: Redis) -> Non
 
 
 async def _close_client(client: Redis) -> None:
+    """Close ``client`` and its pool's connections: each client here is made over a pool of
+    its own (``_connect``), which redis-py's ``aclose()`` does not close (it closes only a
+    pool it made itself); a connection left open warns when the collector finds it."""
     try:
         async with asyncio.timeout(_CLOSE_TIMEOUT):
             await client.aclose()
