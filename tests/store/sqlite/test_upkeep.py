@@ -7,6 +7,7 @@ import asyncio
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from porch.store.sqlite.upkeep import (
     WAL_LIMIT,
     Checkpoints,
     FairBatches,
+    join_within,
 )
 from support import spin, until, used
 
@@ -397,3 +399,22 @@ async def test_the_wal_restarts_while_every_commit_runs_on_the_loop(
             assert peak < bound, f"the WAL grew to {peak} frames after {restarts} restarts"
     finally:
         await store.close()
+
+
+def test_closing_never_waits_for_a_thread_that_does_not_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Catches: a close that joins the store's threads (writer, side file, checkpoints)
+    # without a deadline, hanging on one that is stuck (issue 24: no hang, ever).
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="porch-stuck", daemon=True)
+    stuck.start()
+    try:
+        started = time.monotonic()
+        join_within(stuck, 0.2)
+        assert time.monotonic() - started < 10.0  # 0.2 s; a loaded machine is late
+        assert stuck.is_alive()
+        assert "thread porch-stuck did not stop within 0.2 s; left to finish" in caplog.text
+    finally:
+        release.set()
+        stuck.join(10.0)

@@ -51,7 +51,7 @@ from ...errors import StoreError
 from ..base import PART_GRACE, Durability, Parts, Release, Save
 from .saves import BLOB_ABOVE, has_blob
 from .schema import statements
-from .upkeep import FREE_PAGES, give_back
+from .upkeep import FREE_PAGES, STOP_WITHIN, give_back, join_within
 from .writer import Job, open_private
 
 __all__ = ["BLOB_ABOVE", "ORPHAN_GRACE", "PART_BYTES", "Blobs", "blob_path", "has_blob"]
@@ -171,12 +171,12 @@ class Blobs:
         )
         self._thread.start()
 
-    def close(self, join_timeout: float | None = None) -> None:
-        """Write what is queued, forward it, stop the thread."""
+    def close(self, within: float = STOP_WITHIN) -> None:
+        """Write what is queued, forward it, stop the thread (``within`` seconds at most)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join(join_timeout)
+            join_within(thread, within)
 
     def close_reader(self) -> None:
         """After the decision writer stopped: close its connection to the side file, and

@@ -38,6 +38,7 @@ from .blobs import Blobs
 from .claims import SQLiteClaims, ofd_locks_available
 from .saves import BLOB_ABOVE
 from .slots import SQLiteSlots
+from .upkeep import STOP_WITHIN
 from .writer import Done, Job, SQLiteWriter
 
 if TYPE_CHECKING:
@@ -205,7 +206,9 @@ class SQLiteStore:
         try:
             # Bodies first: the side file's writer hands what it wrote on to the writer.
             await asyncio.to_thread(self._blobs.close)
-            await asyncio.to_thread(self._writer.join)
+            # Its queued batches, each waiting busy_timeout at most for the file, then the
+            # last checkpoint: bounded, never waited on forever (see STOP_WITHIN).
+            await asyncio.to_thread(self._writer.join, self.busy_timeout + STOP_WITHIN)
         except RuntimeError:
             # At interpreter exit (an atexit handler closing the pool) the default executor
             # takes no more work: wait here, so the writer still closes its connection

@@ -13,6 +13,7 @@ applying batches.
 from __future__ import annotations
 
 import collections
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -24,10 +25,12 @@ from .ops import prune_expired
 __all__ = [
     "FREE_PAGES",
     "HOLD_POLL",
+    "STOP_WITHIN",
     "WAL_LIMIT",
     "Checkpoints",
     "FairBatches",
     "give_back",
+    "join_within",
     "upkeep",
 ]
 
@@ -120,6 +123,21 @@ CHECKPOINT_PACE = 0.25
 FAST_GROWTH = 1 / 8
 # While big saves are held for a checkpoint, an idle writer looks this often for its end.
 HOLD_POLL = 0.002
+# Closing waits this long for each of the store's threads to end (the work it has in hand:
+# batches that may each wait busy_timeout for the file, a checkpoint and its fsyncs). Past
+# it the thread, a daemon, is left to finish, with a warning: a close never hangs.
+STOP_WITHIN = 30.0
+
+logger = logging.getLogger("porch.store")
+
+
+def join_within(thread: threading.Thread, within: float) -> None:
+    """Wait for ``thread`` to end, ``within`` seconds at most (then say it was left)."""
+    thread.join(within)
+    if thread.is_alive():
+        logger.warning(
+            "porch: thread %s did not stop within %g s; left to finish", thread.name, within
+        )
 
 
 class Checkpoints:
@@ -236,7 +254,7 @@ class Checkpoints:
         self._stopping.set()
         self._nudge.set()
         self._hurry.set()
-        thread.join()
+        join_within(thread, STOP_WITHIN)
 
     def _run(self, conn: sqlite3.Connection) -> None:
         last = 0  # frames in the WAL at the last round

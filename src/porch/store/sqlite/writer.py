@@ -43,11 +43,13 @@ from .slots import SQLiteSlots
 from .upkeep import (
     FREE_PAGES,
     HOLD_POLL,
+    STOP_WITHIN,
     UPKEEP_PAGES,
     WAL_LIMIT,
     Checkpoints,
     FairBatches,
     give_back,
+    join_within,
     upkeep,
 )
 
@@ -174,13 +176,13 @@ class SQLiteWriter:
         self._stopping = thread
         return True
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float = STOP_WITHIN) -> None:
         """After :meth:`stop`: commit what is queued, close the connection, end the thread
-        (blocking: waits ``timeout`` seconds at most)."""
+        (blocking: waits ``timeout`` seconds at most, then leaves it with a warning)."""
         thread = self._stopping
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout)
+            join_within(thread, timeout)
             if not thread.is_alive():
                 self._stopping = None
 
