@@ -229,14 +229,17 @@ class KeyPool:
             await self._close_at_teardown()
 
     async def _close_at_teardown(self) -> None:
+        # Deadlines with asyncio.timeout, never wait_for (see porch._tasks).
         try:
-            await asyncio.wait_for(self.close(), _CLOSE_TIMEOUT)
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await self.close()
         except (Exception, asyncio.CancelledError) as exc:
             # A shard task cancelled with the loop's other tasks ends close() early: its
             # callers are failed already; the store must still be closed.
             logger.debug("porch: closing the pool as its loop ends: %r", exc)
             try:
-                await asyncio.wait_for(self.store.close(), _CLOSE_TIMEOUT)
+                async with asyncio.timeout(_CLOSE_TIMEOUT):
+                    await self.store.close()
             except Exception as exc:
                 logger.warning("porch: closing the store as its event loop ended failed: %r", exc)
 
