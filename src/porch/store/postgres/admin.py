@@ -65,11 +65,14 @@ class PostgresAdmin:
     def __init__(
         self,
         connect: Callable[[], Awaitable[Any]],
+        close: Callable[[Any], Awaitable[None]],
         schema: str,
         location: str,
         clock: Clock | None = None,
     ) -> None:
-        self._connect = connect  # a new connection to the store's database, as the store's
+        # A new connection to the store's database, each statement on it with a deadline.
+        self._connect = connect
+        self._close = close  # bounded: a server that does not answer has it terminated
         self.s = quote_schema(schema)
         self.location = location
         self._clock = clock  # the store's test clock, which its counters are on (or None)
@@ -92,7 +95,7 @@ class PostgresAdmin:
             except Exception as exc:
                 raise StoreError(redact(f"{self.location}: {exc}")) from exc
         finally:
-            await conn.close()
+            await self._close(conn)
 
     async def _version(self, conn: Any) -> int | None:
         exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{self.s}.migrations")
@@ -239,7 +242,7 @@ class PostgresAdmin:
         except Exception as exc:
             problems.append(str(exc))
         finally:
-            await conn.close()
+            await self._close(conn)
         return CheckReport(self.location, version, SCHEMA_VERSION, tuple(problems))
 
     async def close(self) -> None:

@@ -30,6 +30,7 @@ by itself when the server is back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -234,13 +235,15 @@ class PostgresStore:
 
     # -- connections -------------------------------------------------------------------
 
-    async def _connect(self) -> Any:
+    async def _connect(self, command_timeout: float | None = None) -> Any:
+        """A new connection. ``command_timeout``: asyncpg's deadline for each statement on
+        it (the store's own calls carry their deadlines; the admin's take this one)."""
         try:
             async with asyncio.timeout(self.connect_timeout + 0.5):
                 return await self._asyncpg.connect(
                     self.url,
                     timeout=self.connect_timeout,
-                    command_timeout=None,
+                    command_timeout=command_timeout,
                     server_settings={
                         "application_name": self.application_name,
                         "statement_timeout": str(int(self.statement_timeout * 1000)),
@@ -351,7 +354,11 @@ class PostgresStore:
         from .admin import PostgresAdmin
 
         location = f"{redact(self.url)} (schema {self.schema})"
-        return PostgresAdmin(self._connect, self.schema, location, self.clock)
+        # Each statement within the server's statement_timeout, and a little more for a
+        # server that does not answer at all: an operator's command never hangs.
+        deadline = self.statement_timeout + 1.0
+        connect = functools.partial(self._connect, deadline)
+        return PostgresAdmin(connect, close_connection, self.schema, location, self.clock)
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(self._transactions, self._operations, self._failures)
@@ -402,7 +409,7 @@ class PostgresStore:
                     return
         finally:
             if conn is not None:
-                await _close(conn)
+                await close_connection(conn)
 
     async def _run(self, conn: Any, jobs: list[_Job]) -> Any:
         ops = [op for job_ops, _ in jobs for op in job_ops]
@@ -523,7 +530,8 @@ class PostgresStore:
             ) from exc
 
 
-async def _close(conn: Any) -> None:
+async def close_connection(conn: Any) -> None:
+    """Close ``conn`` within a second; a server that does not answer has it terminated."""
     try:
         async with asyncio.timeout(1.0):
             await conn.close()
