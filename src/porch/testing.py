@@ -54,6 +54,8 @@ T = TypeVar("T")
 # The limiters' default refusal memory: a refusal is answered from memory this long.
 _REFUSAL_MEMORY = 1.0
 _ENV = "PORCH_TEST_STORE"
+# Each of the helpers' calls to the store (on a thread of its own) ends within this.
+_HELPER_TIMEOUT = 60.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -164,11 +166,13 @@ def _on_a_thread(run: Callable[[], Awaitable[T]]) -> T:
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=target, name="porch-testing")
+    # A daemon: one that never finishes (a server that stopped answering) is given up
+    # below and must not hold the test run's exit either.
+    thread = threading.Thread(target=target, name="porch-testing", daemon=True)
     thread.start()
-    thread.join(60.0)
+    thread.join(_HELPER_TIMEOUT)
     if thread.is_alive():
-        raise TimeoutError("porch's test helper did not finish within 60 s")
+        raise TimeoutError(f"porch's test helper did not finish within {_HELPER_TIMEOUT:g} s")
     if failure:
         raise failure[0]
     return result[0]
@@ -236,15 +240,15 @@ async def _drop(url: str, scheme: str, name: str) -> None:
     if scheme.startswith("postgres"):
         import asyncpg
 
-        conn = await asyncpg.connect(url, timeout=10)
+        conn = await asyncpg.connect(url, timeout=10, command_timeout=30)
         try:
             await conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
         finally:
-            await conn.close()
+            await conn.close(timeout=10)
     elif scheme in ("redis", "rediss", "unix"):
         import redis.asyncio
 
-        client = redis.asyncio.Redis.from_url(url)
+        client = redis.asyncio.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=30)
         try:
             async for key in client.scan_iter(match=f"{name}:*", count=1000):
                 await client.delete(key)
