@@ -929,8 +929,18 @@ def test_saturation_answers_503_and_runs_nothing_uncounted(demo: DemoLauncher) -
     # key), an execution whose 201 was lost, and a 503 without a retry hint or cause.
     # The demo's limiter shares the 1-slot pool and runs first, so most refusals are
     # its own; the volley repeats (bounded) until the idempotency layer itself has
-    # refused at least once, so its saturation path is proven too.
-    server = demo.start(limit=BIG_LIMIT, window=60, pool_size=1, mailbox=1, checkout_latency=0.2)
+    # refused at least once, so its saturation path is proven too. Each keyed request
+    # reserves --max-stored bytes of its client's quota (4 MiB) while it runs: 1 MiB by
+    # default, so on a busy machine a fifth POST in flight got 429 (quota) instead of a
+    # run or a 503; 4 KiB (an order's response is ~100 bytes) keeps the quota out of it.
+    server = demo.start(
+        limit=BIG_LIMIT,
+        window=60,
+        pool_size=1,
+        mailbox=1,
+        checkout_latency=0.2,
+        max_stored=4096,
+    )
     n, attempts = 60, 8
     created: dict[str, httpx.Response] = {}
     refused: set[str] = set()
