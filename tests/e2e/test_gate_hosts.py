@@ -65,6 +65,11 @@ class Shared(Protocol):
         """Idempotency claims held now (a host inside a keyed checkout holds one)."""
         ...
 
+    def lease_ends(self) -> list[float]:
+        """The lease ends of the claims held now: a holder's heartbeat moves them (none
+        without leases)."""
+        ...
+
     def parts(self) -> int:
         """Parts of bodies streamed to the store (named by a record or not)."""
         ...
@@ -93,6 +98,9 @@ class SQLite:
 
     def claims(self) -> int:
         return sqlite_claims(self.path)
+
+    def lease_ends(self) -> list[float]:
+        return []
 
     def parts(self) -> int:
         side = self.path.with_name("porch-blobs.sqlite3")
@@ -130,6 +138,13 @@ class Postgres:
                 0
             ][0]
         )
+
+    def lease_ends(self) -> list[float]:
+        rows = _pg(
+            self.url,
+            "SELECT lease_until FROM porch.records WHERE status IS NULL AND token > 0 ORDER BY key",
+        )
+        return [float(row[0]) for row in rows if row[0] is not None]
 
     def parts(self) -> int:
         return int(_pg(self.url, "SELECT count(*) FROM porch.parts")[0][0])
@@ -188,6 +203,19 @@ class Redis:
         finally:
             connection.close()
         return sum(1 for o in owners if o not in (None, b"0"))
+
+    def lease_ends(self) -> list[float]:
+        import redis
+
+        connection = redis.Redis.from_url(self.url, socket_timeout=10)
+        try:
+            # Field l: the claim's lease end in server milliseconds, moved by each renewal.
+            records = [
+                connection.hmget(k, "o", "l") for k in connection.scan_iter(match="porch:r:*")
+            ]
+        finally:
+            connection.close()
+        return sorted(float(end) for owner, end in records if owner not in (None, b"0") and end)
 
     def parts(self) -> int:
         import redis
@@ -591,7 +619,8 @@ def test_a_frozen_owner_is_taken_over_and_fenced_when_it_wakes(
 ) -> None:
     if not shared.leases:
         pytest.skip("claims without leases stay with a frozen holder (docs/design.md)")
-    a, b = two_hosts(demo, shared, checkout_latency=2.0)
+    checkout = 6.0  # the frozen owner's; its first renewal comes within a third of a lease
+    a, b = two_hosts(demo, shared, checkout_latency=checkout)
     assert a.proc is not None
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
@@ -599,14 +628,23 @@ def test_a_frozen_owner_is_taken_over_and_fenced_when_it_wakes(
             owner = asyncio.create_task(
                 client.post(f"{a.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "zz"})
             )
-            await _claimed(shared, "a is inside the checkout, holding the key")
+            await _claimed(shared, "a holds the key")
+            # The claim on the server is not yet a's answer: frozen with that reply on its
+            # way, a would wake past its store deadline and answer 503 (seen once on a
+            # loaded machine). A renewal from a's heartbeat says a has it: inside the checkout.
+            claimed = await asyncio.to_thread(shared.lease_ends)
+            await asyncio.to_thread(
+                wait_until, lambda: shared.lease_ends() != claimed, "a renewing its claim", 20.0
+            )
             os.killpg(a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             try:
+                held = await asyncio.to_thread(shared.claims)
+                assert held == 1, "a finished its checkout before it was frozen"
                 started = time.monotonic()
                 taker = await client.post(
                     f"{b.base_url}/orders", json=ORDER, headers={"Idempotency-Key": "zz"}
                 )
-                assert time.monotonic() - started < 2.0 + 3.0 + 3.0
+                assert time.monotonic() - started < checkout + 3.0 + 3.0  # + lease + slack
             finally:
                 os.killpg(a.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
             return await owner, taker
