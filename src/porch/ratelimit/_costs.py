@@ -141,7 +141,9 @@ def settle(request: Any, amount: int, *, rule: str | None = None) -> bool:
     scope = getattr(request, "scope", None)
     if scope is None:
         scope = getattr(request, "environ", request)
-    if not isinstance(scope, MutableMapping):
+    # A server's scope is a dict: checked first, as isinstance() against the ABC costs a
+    # Python-level subclass check on every call.
+    if type(scope) is not dict and not isinstance(scope, MutableMapping):
         raise TypeError(f"settle() takes a request or its ASGI scope, got {request!r}")
     taken = False
     for reservation in scope.get(RESERVATIONS, ()):

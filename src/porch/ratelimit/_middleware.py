@@ -528,13 +528,18 @@ class RateLimitMiddleware:
                 if reservation.actual != hit.cost:
                     await self._settle(hit, reservation.actual, client, variant, memo)
 
-        async def sending(message: Message) -> None:
+        async def last(message: Message) -> None:
+            await finish()
+            await send(message)
+
+        def sending(message: Message) -> Awaitable[None]:
             # Before the response's last body chunk leaves: its slots are free and what it
             # reported is settled, so a client that sends its next request once it has
-            # read this response finds both done.
+            # read this response finds both done. Not a coroutine function: every other
+            # message is send's own awaitable (no coroutine of its own, as adding_headers).
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await finish()
-            await send(message)
+                return last(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, sending)
@@ -558,7 +563,9 @@ class RateLimitMiddleware:
                 # Delivered past a full mailbox: it is bounded by the hits already admitted,
                 # and a debt dropped would be units served for free.
                 pool.submit(client, _SettleCall(future, op), must_deliver=True)
-                await asyncio.shield(future)
+                # Not shielded: cancelled, the settle is applied all the same (it is queued,
+                # and its call answers only a future not done).
+                await future
             memory = self._memory
             if memory is not None and actual < hit.cost:
                 # A refund, committed: a refusal remembered here may not hold any more.
