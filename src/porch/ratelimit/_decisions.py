@@ -301,16 +301,20 @@ def decide(
     caps = compiled.caps
     n = len(caps)
     remaining = hit.remaining
-    t = [_ceil(min(r, c)) or 1 for r, c in zip(hit.next, caps, strict=True)]
+    t = [_ceil(r if r < c else c) or 1 for r, c in zip(hit.next, caps, strict=True)]
     if n == 1:
         i = 0
         status = compiled.status_prefixes[0] + b"%d;t=%d" % (remaining[0], t[0])
     else:
-        # X-RateLimit-* describe the tightest limit: least remaining, then latest reset.
-        i = min(range(n), key=lambda j: (remaining[j], -t[j]))
-        status = b", ".join(
-            compiled.status_prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)
-        )
+        # X-RateLimit-* describe the tightest limit: least remaining, then latest reset (the
+        # first of equals). A loop, not min() with a key: once per request of a rule with
+        # levels or several limits, where a key function's calls cost more than the rest.
+        i = 0
+        for j in range(1, n):
+            if remaining[j] < remaining[i] or (remaining[j] == remaining[i] and t[j] > t[i]):
+                i = j
+        prefixes = compiled.status_prefixes
+        status = b", ".join([prefixes[j] + b"%d;t=%d" % (remaining[j], t[j]) for j in range(n)])
     headers: list[tuple[bytes, bytes]] = []
     if compiled.style in ("both", "x-ratelimit"):
         headers += [

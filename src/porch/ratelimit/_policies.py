@@ -64,7 +64,14 @@ async def resolve(
     for level in compiled.level_names:
         key = level_key(level, client)
         if key is None:
-            key = await _level(rule.name, level, compiled.level_keys[level], scope)
+            # A declared level's key function, called here: a coroutine (and the ABC check
+            # of inspect.isawaitable) only for an answer that is neither a str nor None.
+            answer = compiled.level_keys[level](scope)
+            key = (
+                answer
+                if answer is None or type(answer) is str
+                else await _level(rule.name, level, answer)
+            )
         keys[level] = key
     variant: CompiledRule | None = compiled
     if None in keys.values():
@@ -146,8 +153,9 @@ async def _plan(
     return variant
 
 
-async def _level(rule: str, level: str, key: Callable[[Scope], object], scope: Scope) -> str | None:
-    found = key(scope)
+async def _level(rule: str, level: str, found: object) -> str | None:
+    """What a level's key function returned that is not plainly a str or None: awaited if it
+    is awaitable, then checked."""
     if inspect.isawaitable(found):
         found = await found
     if found is None or isinstance(found, str):
