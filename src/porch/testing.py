@@ -56,6 +56,8 @@ _REFUSAL_MEMORY = 1.0
 _ENV = "PORCH_TEST_STORE"
 # Each of the helpers' calls to the store (on a thread of its own) ends within this.
 _HELPER_TIMEOUT = 60.0
+# The Redis schemes: each test gets a key prefix of its own.
+_REDIS = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -218,7 +220,7 @@ def porch_store(request: pytest.FixtureRequest, porch_clock: ManualClock) -> Ite
     # The network stores decide their counters on the test's clock (their test hook).
     if scheme.startswith("postgres"):
         store = open_store(url, schema=name, clock=porch_clock)
-    elif scheme in ("redis", "rediss", "unix"):
+    elif scheme in _REDIS:
         store = open_store(url, prefix=name, clock=porch_clock)
     else:
         store = open_store(url, clock=porch_clock)
@@ -245,10 +247,18 @@ async def _drop(url: str, scheme: str, name: str) -> None:
             await conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
         finally:
             await conn.close(timeout=10)
-    elif scheme in ("redis", "rediss", "unix"):
+    elif scheme in _REDIS:
         import redis.asyncio
 
-        client = redis.asyncio.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=30)
+        client: Any
+        if scheme.endswith("+cluster"):
+            from .store.redis.cluster import cluster_client
+
+            client = cluster_client(url)
+        else:
+            client = redis.asyncio.Redis.from_url(
+                url, socket_connect_timeout=10, socket_timeout=30
+            )
         try:
             async for key in client.scan_iter(match=f"{name}:*", count=1000):
                 await client.delete(key)

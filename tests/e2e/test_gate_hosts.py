@@ -232,6 +232,72 @@ class Redis:
         return _cpu([self.server.pid])
 
 
+class RedisClusterShared:
+    """The session's Redis Cluster (3 primaries, 3 replicas), the demo's keys (prefix
+    ``porch``) deleted before each leg: the hosts' counters and records on several nodes."""
+
+    leases = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._run(self._clear)
+
+        async def pids(connection: Any) -> list[int]:
+            nodes = connection.get_nodes()
+            infos = [await connection.info("server", target_nodes=node) for node in nodes]
+            return [int(info["process_id"]) for info in infos]
+
+        self.pids: list[int] = self._run(pids)
+
+    def _run(self, job: Any) -> Any:
+        from porch.store.redis.cluster import cluster_client
+
+        async def run() -> Any:
+            client = cluster_client(self.url)
+            try:
+                return await job(client)
+            finally:
+                await client.aclose()
+
+        return asyncio.run(run())
+
+    @staticmethod
+    async def _clear(client: Any) -> None:
+        names = [k async for k in client.scan_iter(match="porch:*", count=1000)]
+        for name in names:
+            await client.delete(name)
+
+    def count(self, client: str = CLIENT, prefix: str = DEMO_KEY_PREFIX) -> int:
+        name = KeyNames("porch", cluster=True).counter(prefix + client)
+
+        async def read(connection: Any) -> Any:
+            return await connection.hget(name, "n")
+
+        value = self._run(read)
+        return int(value) if value is not None else 0
+
+    def algorithms(self) -> frozenset[str]:
+        return frozenset(open_store(self.url).capabilities.algorithms)
+
+    def claims(self) -> int:
+        async def owners(connection: Any) -> list[Any]:
+            names = [k async for k in connection.scan_iter(match="porch:r:*", count=1000)]
+            return [await connection.hget(name, "o") for name in names]
+
+        return sum(1 for o in self._run(owners) if o not in (None, b"0"))
+
+    def parts(self) -> int:
+        async def count(connection: Any) -> int:
+            names = [k async for k in connection.scan_iter(match="porch:p:*", count=1000)]
+            return sum([int(await connection.hlen(name)) for name in names])
+
+        return int(self._run(count))
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the cluster's redis-servers."""
+        return _cpu(self.pids)
+
+
 @contextlib.contextmanager
 def _sqlite(tmp_path: Path) -> Iterator[Shared]:
     yield SQLite(tmp_path)
@@ -253,8 +319,17 @@ def _redis(tmp_path: Path) -> Iterator[Shared]:
 OPENERS = {"sqlite": _sqlite, "postgres": _postgres, "redis": _redis}
 
 
-@pytest.fixture(params=[pytest.param(n, marks=getattr(pytest.mark, n)) for n in OPENERS])
+@pytest.fixture(
+    params=[
+        *(pytest.param(n, marks=getattr(pytest.mark, n)) for n in OPENERS),
+        pytest.param("redis-cluster", marks=pytest.mark.redis),
+    ]
+)
 def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Shared]:
+    if request.param == "redis-cluster":
+        # The session's cluster (starting six servers per leg would cost more than a leg).
+        yield RedisClusterShared(request.getfixturevalue("redis_cluster_url"))
+        return
     with OPENERS[request.param](tmp_path) as backend:
         yield backend
 
@@ -700,11 +775,17 @@ def test_parked_duplicates_cost_no_cpu(demo: DemoLauncher, shared: Shared) -> No
             )
             pids = _host_pids(a) + _host_pids(b)
             before_hosts = _cpu(pids)
-            before_db = shared.cpu_seconds() if isinstance(shared, Postgres | Redis) else 0.0
+            before_db = (
+                shared.cpu_seconds()
+                if isinstance(shared, Postgres | Redis | RedisClusterShared)
+                else 0.0
+            )
             await asyncio.sleep(2.0)
             used_hosts = _cpu(pids) - before_hosts
             used_db = (
-                (shared.cpu_seconds() - before_db) if isinstance(shared, Postgres | Redis) else 0.0
+                (shared.cpu_seconds() - before_db)
+                if isinstance(shared, Postgres | Redis | RedisClusterShared)
+                else 0.0
             )
             # Polling would burn a core; a lease backstop re-claims about once a second.
             assert used_hosts < 0.3, used_hosts

@@ -390,3 +390,46 @@ def test_operator_commands_on_redis(demo: DemoLauncher, redis_url: str) -> None:
     assert "deleted 0 expired counter(s)" in purged.stdout
     assert porch_cli("check", *store).returncode == 0
     forget_and_run_again(server, store, key, two)
+
+
+@pytest.mark.redis
+def test_operator_commands_on_a_redis_cluster(demo: DemoLauncher, redis_cluster_url: str) -> None:
+    """The demo on a Redis Cluster (``--store redis+cluster://…``), and inspect, check,
+    reset, purge and forget on it: counters and records live on several primaries."""
+    pytest.importorskip("redis")
+    url = redis_cluster_url
+    net = f"10.{random.randrange(100, 250)}.{random.randrange(250)}"
+    one, two, key = f"{net}.1", f"{net}.2", f"rc-{uuid.uuid4().hex[:8]}"
+    server = demo.start(limit=3, window=60, trust_proxy_hops=1, store=url)
+    store = ["--store", url]
+    for _ in range(4):
+        get(server, one)
+    assert get(server, one).status_code == 429
+    assert get(server, two).status_code == 200
+    with httpx.Client(base_url=server.base_url, timeout=30.0, trust_env=False) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": key, "X-Forwarded-For": two},
+        )
+    assert created.status_code == 201
+
+    document = inspect(*store)
+    counters = {c["client"]: c for c in document["counters"] if c["client"].startswith(net)}
+    assert counters[one]["count"] == 3
+    assert counters[two]["count"] == 2
+    [response] = [r for r in document["responses"] if r["key"] == key]
+    assert (response["status"], response["scope"]) == (201, f"client:{two}")
+    healthy = porch_cli("check", *store)
+    assert healthy.returncode == 0, healthy.stderr
+
+    done = porch_cli("reset", *store, "--client", one)
+    assert done.returncode == 0, done.stderr
+    assert "deleted 1 counter" in done.stdout
+    wait_until(lambda: get(server, one).status_code == 200, within=10)
+    [again] = inspect(*store, "--client", one)["counters"]
+    assert again["count"] == 1
+    purged = porch_cli("purge", *store)
+    assert purged.returncode == 0, purged.stderr
+    assert porch_cli("check", *store).returncode == 0
+    forget_and_run_again(server, store, key, two)

@@ -50,7 +50,16 @@ __all__ = [
     "open_store",
 ]
 
-SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss", "unix")
+SCHEMES = (
+    "sqlite",
+    "postgresql",
+    "postgres",
+    "redis",
+    "rediss",
+    "unix",
+    "redis+cluster",
+    "rediss+cluster",
+)
 """The URL schemes :func:`open_store` knows."""
 
 
@@ -61,6 +70,8 @@ def open_store(url: str, **options: Any) -> Store:
       :class:`SQLiteStore` in that file's directory.
     - ``postgresql://…`` / ``postgres://…``: the PostgreSQL store (``porch[postgres]``).
     - ``redis://…`` / ``rediss://…`` / ``unix://…``: the Redis store (``porch[redis]``).
+    - ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://…``: the Redis
+      Cluster store (``porch[redis]``).
 
     Raises ConfigurationError for an unknown scheme, a malformed URL or a missing driver.
     """
@@ -88,6 +99,14 @@ def open_store(url: str, **options: Any) -> Store:
                 f"the Redis store needs its driver: pip install 'porch[redis]' ({exc})"
             ) from exc
         return cast_store(RedisStore(url, **options))
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        try:
+            from .redis import RedisClusterStore
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"the Redis Cluster store needs its driver: pip install 'porch[redis]' ({exc})"
+            ) from exc
+        return cast_store(RedisClusterStore(url, **options))
     raise ConfigurationError(
         f"unknown store URL scheme {scheme!r} in {redact(url)!r}; known: {', '.join(SCHEMES)}"
     )

@@ -1,11 +1,12 @@
 """One fresh, isolated store per test, for every backend the conformance suite runs on.
 
-``backend`` is parametrised over ``sqlite`` / ``postgres`` / ``redis`` (each
-with its marker, so ``-m redis`` runs one engine). SQLite gets a temp dir and
-a :class:`ManualClock`; PostgreSQL a schema of its own on the session server;
-Redis a key prefix of its own. A backend whose store module is missing, or
-whose server cannot be started, skips or fails as ``tests/servers.py`` decides
-(it fails when PORCH_REQUIRE_BACKENDS names it).
+``backend`` is parametrised over ``sqlite`` / ``postgres`` / ``redis`` /
+``redis-cluster`` (each with its marker, so ``-m redis`` runs one engine: the
+cluster is Redis's). SQLite gets a temp dir and a :class:`ManualClock`;
+PostgreSQL a schema of its own on the session server; Redis and the Redis
+Cluster (3 primaries, 3 replicas) a key prefix of their own. A backend whose
+store module is missing, or whose server cannot be started, skips or fails as
+``tests/servers.py`` decides (it fails when PORCH_REQUIRE_BACKENDS names it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _MODULES = {
     "sqlite": ("porch.store.sqlite", "SQLiteStore"),
     "postgres": ("porch.store.postgres", "PostgresStore"),
     "redis": ("porch.store.redis", "RedisStore"),
+    "redis-cluster": ("porch.store.redis", "RedisClusterStore"),
 }
 HOLDER = Path(__file__).with_name("holder.py")
 # The network backends whose store takes a test clock for its counters: ``clock=`` (a
@@ -42,7 +44,7 @@ HOLDER = Path(__file__).with_name("holder.py")
 # batch, instead of at its server's time. A test hook: the policies' conformance
 # (test_policies.py) compares such a store with the reference model to the bit, and
 # skips a backend not named here. SQLite's whole store runs on its injected clock.
-COUNTER_CLOCKS: frozenset[str] = frozenset({"postgres", "redis"})
+COUNTER_CLOCKS: frozenset[str] = frozenset({"postgres", "redis", "redis-cluster"})
 
 
 def hit_on(policies: list[Policy], cost: int) -> Hit:
@@ -247,7 +249,13 @@ async def _drop_schema(url: str, schema: str) -> None:
 async def _drop_prefix(url: str, prefix: str) -> None:
     import redis.asyncio
 
-    client = redis.asyncio.Redis.from_url(url)
+    client: Any
+    if url.startswith("redis+cluster://"):
+        from porch.store.redis.cluster import cluster_client
+
+        client = cluster_client(url)
+    else:
+        client = redis.asyncio.Redis.from_url(url)
     try:
         keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
         if keys:
@@ -261,6 +269,7 @@ async def _drop_prefix(url: str, prefix: str) -> None:
         pytest.param("sqlite", marks=pytest.mark.sqlite),
         pytest.param("postgres", marks=pytest.mark.postgres),
         pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis-cluster", marks=pytest.mark.redis),
     ]
 )
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
@@ -282,7 +291,8 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         server: str = request.getfixturevalue("postgres_url")
         backend = Backend(name, factory, server, {"schema": f"porch_t{tag}"}, server, None)
     else:
-        server = request.getfixturevalue("redis_url")
+        fixture = "redis_cluster_url" if name == "redis-cluster" else "redis_url"
+        server = request.getfixturevalue(fixture)
         backend = Backend(name, factory, server, {"prefix": f"porch-t{tag}:"}, server, None)
     try:
         yield backend
@@ -290,5 +300,5 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         await backend.close()
         if name == "postgres":
             await _drop_schema(backend.url, backend.isolation["schema"])
-        elif name == "redis":
+        elif name in ("redis", "redis-cluster"):
             await _drop_prefix(backend.url, backend.isolation["prefix"])

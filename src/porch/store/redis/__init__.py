@@ -1,8 +1,10 @@
-"""The Redis store (``pip install 'porch[redis]'``): several app hosts on one Redis server.
+"""The Redis stores (``pip install 'porch[redis]'``): several app hosts on one Redis server
+(:class:`RedisStore`) or on a Redis Cluster (:class:`RedisClusterStore`).
 
 Importing this package needs no driver; constructing :class:`RedisStore` does.
 """
 
+from .cluster import RedisClusterStore
 from .store import RedisStore
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisClusterStore", "RedisStore"]

@@ -38,6 +38,24 @@ return before - redis.call('ZCARD', KEYS[1])
 """
 )
 
+# The same for a Redis Cluster's book in a slot of its own (a client's, the store's): its
+# members name records in other slots, so a lapsed entry goes without reading its record
+# (a claim still held is scored again by its heartbeat).
+_TRIM_APART = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+local freed = 0
+for _, m in ipairs(gone) do
+  local size = redis.call('HGET', KEYS[2], m)
+  if size then freed = freed + tonumber(size) end
+  redis.call('HDEL', KEYS[2], m)
+  redis.call('ZREM', KEYS[1], m)
+end
+if freed > 0 then redis.call('HINCRBY', KEYS[2], '\\0', -freed) end
+return #gone
+"""
+
 # A scope's kept total and the sum of its entries, read atomically.
 _SUMS = """
 local total = tonumber(redis.call('HGET', KEYS[1], '\\0') or '0')
@@ -51,12 +69,15 @@ return {total, sum}
 
 # Forget one stored response: its fields leave the record (whose fence token and any claim
 # held stay), and its bytes leave the scope's and the store's quota bookkeeping.
-# KEYS: record, scope expiries, scope sizes, total expiries, total sizes. ARGV: the key.
+# KEYS: record, scope expiries, scope sizes, total expiries, total sizes (on a Redis
+# Cluster: the record and its scope's pair if in its slot; the rest lapse). ARGV: the key.
 _FORGET = """
 if redis.call('HEXISTS', KEYS[1], 's') == 0 then return 0 end
 redis.call('HDEL', KEYS[1], 'd', 's', 'h', 'b')
 if redis.call('HLEN', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
-for _, pair in ipairs({{KEYS[2], KEYS[3]}, {KEYS[4], KEYS[5]}}) do
+local books = {}
+for b = 1, (#KEYS - 1) / 2 do books[b] = {KEYS[2 * b], KEYS[2 * b + 1]} end
+for _, pair in ipairs(books) do
   local size = redis.call('HGET', pair[2], ARGV[1])
   if size then
     redis.call('HDEL', pair[2], ARGV[1])
@@ -207,18 +228,19 @@ class RedisAdmin:
         redis = await self._redis()
         logical = scope + US + key
         zset, sizes = self.names.scope(scope)
+        keys = [
+            self.names.record(logical),
+            zset,
+            sizes,
+            self.names.total_zset,
+            self.names.total_sizes,
+        ]
+        if self.names.cluster:
+            # One slot per script: the record's, with its scope's books if they are there.
+            keys = keys[:3] if self.names.same_slot(logical, scope) else keys[:1]
         try:
             forget = redis.register_script(_FORGET)
-            done = await forget(
-                keys=[
-                    self.names.record(logical),
-                    zset,
-                    sizes,
-                    self.names.total_zset,
-                    self.names.total_sizes,
-                ],
-                args=[logical],
-            )
+            done = await forget(keys=keys, args=[logical])
         except Exception as exc:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
         return int(done)
@@ -226,15 +248,18 @@ class RedisAdmin:
     async def purge(self) -> PurgeReport:
         redis = await self._redis()
         trim = redis.register_script(_TRIM)
+        # A Cluster's books outside their records' slots (the client's, the store's) are
+        # trimmed without reading the records.
+        apart = redis.register_script(_TRIM_APART) if self.names.cluster else trim
         total_zset = self.names.total_zset
         trimmed = 0
         try:
             for zset, sizes in self._pairs(await self._scan("qz")):
-                n = int(await trim(keys=[zset, sizes]))
+                n = int(await (apart if zset == total_zset else trim)(keys=[zset, sizes]))
                 if zset != total_zset:
                     trimmed += n
             for zset, sizes in self._pairs(await self._scan("qcz")):
-                await trim(keys=[zset, sizes])  # the same responses, counted per client
+                await apart(keys=[zset, sizes])  # the same responses, counted per client
         except Exception as exc:
             raise StoreError(redact(f"{self.location}: {exc}")) from exc
         # Counters and stored responses expire in Redis itself: nothing of theirs is left

@@ -1,6 +1,7 @@
 -- Take an idempotency key for a holder, or return its stored response.
 -- KEYS[1]: the key's record (a hash); with a quota, then the zset and sizes of the
--- caller's scope, its client and the whole store (see _quota.lua).
+-- caller's scope, its client and the whole store (see _quota.lua): on a Redis Cluster,
+-- of its scope only (the other two are in other slots: the store takes them after).
 -- ARGV: lease (ms); with a quota: bytes to reserve, scope cap, client cap, total cap.
 -- Record fields: o = current owner token ('0' none), l = lease end (server ms),
 -- t = last token issued, d/s/h/b = stored digest/status/headers/body,
@@ -24,13 +25,14 @@ local reserve = tonumber(ARGV[2] or '0')
 if reserve > 0 then
   -- The reservation must fit every cap (live bytes; this key's own old entry, a dead
   -- holder's, is replaced), or nothing is taken.
-  for b = 1, 3 do
+  local books = (#KEYS - 1) / 2
+  for b = 1, books do
     local all, own = used(KEYS[2 * b], KEYS[2 * b + 1], now, rec)
     if all - own + reserve > tonumber(ARGV[2 + b]) then
       return {3, b}
     end
   end
-  for b = 1, 3 do
+  for b = 1, books do
     put(KEYS[2 * b], KEYS[2 * b + 1], rec, reserve, now + lease, math.max(2 * lease, 60000))
   end
 end

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..._tasks import stop_if_cancelled
 from ...errors import StoreError
 from .._leases import CLAIM, SLOT, Lease
-from .commands import Command
+from .commands import Command, publish, wake
 from .keys import KeyNames
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Renewals:
         names = self._names
         await self._run(
             [
-                ("release", [names.record(lease.key)], [str(lease.token), names.channel, lease.key])
+                release_one(names, lease.key, lease.token)
                 if lease.kind == CLAIM
                 else ("slot_lease", [names.slot(lease.key)], [str(lease.token), 0])
                 for lease in _known(leases)
@@ -123,6 +123,11 @@ class Renewals:
         if self._client is None:
             self._client = self._connect()
         return await self._execute(self._client, commands)
+
+
+def release_one(names: KeyNames, key: str, token: int) -> Command:
+    """A release of a claim at close: its record (its reservation lapses with its lease)."""
+    return ("release", [names.record(key)], [str(token), *wake(names, key), publish(names)])
 
 
 def _known(leases: Sequence[Lease]) -> Sequence[Lease]:

@@ -32,7 +32,7 @@ from ..base import (
 )
 from .keys import KeyNames
 
-__all__ = ["Command", "command", "fill_from_reply"]
+__all__ = ["Command", "books", "command", "fill_from_reply", "publish", "release", "wake"]
 
 _DEFAULT_QUOTA = Quota()
 _BUCKETS: tuple[QuotaBucket, ...] = ("scope", "client", "total")
@@ -77,8 +77,9 @@ def command(
                 args += [op.deltas[i], op.stamps[i]]
         if type(op) is Hit and op.slots:
             # Concurrency slots (_slots.lua): the slot keys' sets after the counters;
-            # the lease, the caps and how many after the counters' arguments.
-            args += [lease_ms, *op.caps, len(op.slots)]
+            # the first token (0: the sets' next), the lease, the caps and how many after
+            # the counters' arguments.
+            args += [0, lease_ms, *op.caps, len(op.slots)]
             keys = [names.counter(k) for k in op.keys] + [names.slot(k) for k in op.slots]
             return ("slot_hits", keys, args)
         return ("counters", [names.counter(k) for k in op.keys], args)
@@ -92,7 +93,7 @@ def command(
             return ("claim", [names.record(op.key)], [lease_ms])
         return (
             "claim",
-            names.buckets(op.key, op.scope, op.client),
+            books(names, op.key, op.scope, op.client),
             [lease_ms, op.reserve, quota.scope_bytes, quota.client_bytes, quota.total_bytes],
         )
     if type(op) is Save:
@@ -100,7 +101,7 @@ def command(
         response = op.response
         return (
             "save",
-            names.buckets(op.key, op.scope, op.client),
+            books(names, op.key, op.scope, op.client),
             [
                 str(op.token),
                 response.digest,
@@ -111,18 +112,44 @@ def command(
                 quota.scope_bytes,
                 quota.client_bytes,
                 quota.total_bytes,
-                names.channel,
-                op.key,
+                *wake(names, op.key),
                 op.size,
+                publish(names),
             ],
         )
     if type(op) is Release:
-        return (
-            "release",
-            names.buckets(op.key, op.scope, op.client),
-            [str(op.token), names.channel, op.key],
-        )
+        return release(names, op.key, op.scope, op.client, op.token)
     raise StoreError(f"the Redis store cannot apply {type(op).__name__}")
+
+
+def books(names: KeyNames, key: str, scope: str, client: str) -> list[bytes]:
+    """The record of ``key`` and the quota books a claim, save or release script takes:
+    its scope's, client's and the store's; on a Cluster its scope's only, if it is in the
+    record's slot (the others are taken apart: cluster.py)."""
+    if names.cluster:
+        if names.same_slot(key, scope):
+            return [names.record(key), *names.scope(scope)]
+        return [names.record(key)]
+    return names.buckets(key, scope, client)
+
+
+def wake(names: KeyNames, key: str) -> tuple[bytes, str]:
+    """Where a Save or Release of ``key`` publishes, and what it says: the key itself."""
+    return (names.wake(key) if names.cluster else names.channel), key
+
+
+def publish(names: KeyNames) -> str:
+    # A Cluster's scripts publish on a shard channel of their record's slot (SPUBLISH).
+    return "S" if names.cluster else ""
+
+
+def release(names: KeyNames, key: str, scope: str, client: str, token: int) -> Command:
+    """The command ending a claim without storing (a Release, or a holder's close)."""
+    return (
+        "release",
+        books(names, key, scope, client),
+        [str(token), *wake(names, key), publish(names)],
+    )
 
 
 def fill_from_reply(

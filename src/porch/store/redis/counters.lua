@@ -7,6 +7,8 @@
 --   A limit's level decides its key; on a standalone server one call touches them all.
 -- ARGV: t ('' for the server's TIME; else a test clock's time), m, cost, then per
 --   limit: algorithm, amount, window (s), burst, and for a settle delta and stamp.
+--   m < 0: decide -m hits but write nothing (a Redis Cluster's first step of a hit
+--   whose levels are in several slots: cluster.py).
 -- Returns {k, t, then per limit n, p, s before the hits} ('%.17g' strings for the
 -- times: exact); a settle returns {0, t}.
 local EPS = 1e-9
@@ -19,6 +21,8 @@ else
   t = tonumber(now[1]) + tonumber(now[2]) / 1000000
 end
 local m = tonumber(ARGV[2])
+local probe = m < 0
+if probe then m = -m end
 local cost = tonumber(ARGV[3])
 local stride = m == 0 and 6 or 4
 local L = #KEYS
@@ -133,7 +137,7 @@ for i = 1, L do
     k = j
   end
 end
-if k > 0 then
+if k > 0 and not probe then
   for i = 1, L do
     local at = 3 + (i - 1) * stride
     local tag, amount, window = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])

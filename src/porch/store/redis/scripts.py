@@ -48,11 +48,11 @@ def load_scripts() -> dict[str, Script]:
 
 # Where _slots.lua's two steps go into counters.lua (each exactly once): its limits are
 # the KEYS before the slot keys, a hit's count is capped before its limits are read, and
-# its slots are taken once its limits let it through, before the reply.
+# its slots are taken once its limits let it through, before the reply (none by a probe).
 _SLOT_STEPS = (
     (b"local L = #KEYS\n", b"local L = #KEYS - SLOTS\n"),
     (b"local k = m\n", b"local k = admit(m)\n"),
-    (b"\nreturn out\n", b"\nadmitted(k, out)\nreturn out\n"),
+    (b"\nreturn out\n", b"\nadmitted(k, out, probe)\nreturn out\n"),
 )
 
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from ..._tasks import stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import Heartbeat, HeldLeases
+from .._leases import Heartbeat, HeldLeases, Renewer
 from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
@@ -119,11 +119,7 @@ class RedisStore:
         clock: Clock | None = None,
         part_grace: float = PART_GRACE,
     ) -> None:
-        scheme = urlsplit(url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigurationError(
-                f"a Redis store URL starts with redis://, rediss:// or unix://, got {scheme!r}"
-            )
+        self._check_url(url)
         if not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(f"prefix must be non-empty without braces, got {prefix!r}")
         if not lease > 0:
@@ -155,7 +151,7 @@ class RedisStore:
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
         self.clock = clock
-        self.names = KeyNames(prefix)
+        self.names = KeyNames(prefix, cluster=self._CLUSTER)
         # Bodies streamed in parts, on the store's client outside the batches' pipelines.
         self._parts = RedisParts(
             self.names, self._execute_now, self._delete, grace=float(part_grace)
@@ -172,7 +168,7 @@ class RedisStore:
             slots=True,
             slot_lease=float(lease),
         )
-        self._subscription = Subscription(self.names.channel)
+        self._subscription = self._new_subscription()
         self.claims = Watches(
             self._subscription,
             _same,  # the scripts publish the logical key itself
@@ -194,8 +190,21 @@ class RedisStore:
         self._operations = 0
         self._failures = 0
 
+    # A Redis Cluster store (a subclass) names its keys for the Cluster's slots.
+    _CLUSTER = False
+
     def __repr__(self) -> str:
-        return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
+        return f"{type(self).__name__}({redact(self.url)!r}, prefix={self.prefix!r})"
+
+    def _check_url(self, url: str) -> None:
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigurationError(
+                f"a Redis store URL starts with redis://, rediss:// or unix://, got {scheme!r}"
+            )
+
+    def _new_subscription(self) -> Subscription:
+        return Subscription(self.names.channel)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -241,7 +250,7 @@ class RedisStore:
             raise
         if not self._transport_checked:
             self._transport_checked = True
-            _check_transport(self.url, client)
+            self._check_transport(client)
         self._client = client
         self._closing = asyncio.Event()
         self._keeper = asyncio.get_running_loop().create_task(
@@ -256,18 +265,25 @@ class RedisStore:
         self._heartbeat = Heartbeat(
             self._held,
             lease=self.lease,
-            renewer=lambda: Renewals(
-                functools.partial(self._connect, 1),
-                self._execute,
-                _close_client,
-                self.names,
-                self._lease_ms,
-            ),
+            renewer=self._renewals,
             deadline=self.connect_timeout + self.timeout + 1.0,
             name="porch-redis-heartbeat",
             logger=logger,
         )
         self._heartbeat.start()
+
+    def _check_transport(self, client: Redis) -> None:
+        _check_transport(self.url, client)
+
+    def _renewals(self) -> Renewer:
+        """The heartbeat's renewer, with a client of its own."""
+        return Renewals(
+            functools.partial(self._connect, 1),
+            self._execute,
+            _close_client,
+            self.names,
+            self._lease_ms,
+        )
 
     async def _read_secret(self, client: Redis) -> bytes:
         """The prefix's secret: created once by the first store that opens it (SET NX, so
@@ -419,13 +435,17 @@ async def _keep(closing: asyncio.Event, client: Redis, subscriber: Redis) -> Non
         await _close_client(client)
 
 
-async def _close_client(client: Redis) -> None:
-    """Close ``client`` and its pool's connections: each client here is made over a pool of
-    its own (``_connect``), which redis-py's ``aclose()`` does not close (it closes only a
-    pool it made itself); a connection left open warns when the collector finds it."""
+async def _close_client(client: Any) -> None:
+    """Close ``client`` (a Redis or a RedisCluster one), bounded, and a Redis client's pool:
+    each client here is made over a pool of its own (``_connect``), which redis-py's
+    ``aclose()`` does not close (it closes only a pool it made itself); a connection left
+    open warns when the collector finds it."""
+    from redis.asyncio import Redis
+
     try:
         async with asyncio.timeout(_CLOSE_TIMEOUT):
             await client.aclose()
-            await client.connection_pool.disconnect()
+            if isinstance(client, Redis):
+                await client.connection_pool.disconnect()
     except Exception as exc:  # closing a broken connection: nothing left to save
         logger.debug("porch: closing a Redis client: %r", exc)
