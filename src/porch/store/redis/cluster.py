@@ -330,8 +330,9 @@ class RedisClusterStore(RedisStore):
     def __init__(self, url: str, **options: Any) -> None:
         self._parsed = parse_cluster_url(url)
         self._books = _Books()
-        self._stale = False
-        self._refreshing: asyncio.Lock | None = None
+        # The clients (by id: the store's, the heartbeat's on its own thread and loop)
+        # whose slot map must be read again before their next pipeline.
+        self._stale: set[int] = set()
         super().__init__(url, **options)
 
     def _check_url(self, url: str) -> None:
@@ -426,23 +427,20 @@ class RedisClusterStore(RedisStore):
             from redis.exceptions import ClusterError, ConnectionError, TimeoutError
 
             if isinstance(exc.__cause__, (ConnectionError, TimeoutError, ClusterError, OSError)):
-                self._stale = True
+                self._stale.add(id(client))
             raise
 
     async def _refresh(self, client: Any) -> None:
-        if not self._stale:
+        if id(client) not in self._stale:
             return
-        if self._refreshing is None:
-            self._refreshing = asyncio.Lock()
-        async with self._refreshing:
-            if not self._stale:
-                return
-            try:
-                async with asyncio.timeout(self.connect_timeout + self.timeout):
-                    await client.nodes_manager.initialize()
-            except Exception as exc:
-                raise StoreError(redact(f"Redis Cluster {self.url}: no slot map: {exc!r}")) from exc
-            self._stale = False
+        # One refresh at a time per client is redis-py's (its nodes manager's lock).
+        self._stale.discard(id(client))
+        try:
+            async with asyncio.timeout(self.connect_timeout + self.timeout):
+                await client.nodes_manager.initialize()
+        except Exception as exc:
+            self._stale.add(id(client))
+            raise StoreError(redact(f"Redis Cluster {self.url}: no slot map: {exc!r}")) from exc
 
     async def _pipeline(self, client: Any, commands: list[Command]) -> list[Any]:
         scripts = self._scripts
