@@ -225,6 +225,22 @@ class _ClusterRenewals(Renewals):
             await self._run(extra)
         return results
 
+    async def release(self, leases: Sequence[Lease]) -> None:
+        # At close: the claims, and their entries in the other slots' books at once (a
+        # waiter elsewhere need not find those bytes counted until the lease's end).
+        await super().release(leases)
+        drops: list[Command] = []
+        for lease in leases:
+            held = self._books.get(lease.key, lease.token) if lease.kind == CLAIM else None
+            if held is not None:
+                scope, client, _ = held
+                member = self._names.book_member(lease.key, lease.token)
+                for zset, sizes, _ in _other_books(self._names, lease.key, scope, client):
+                    drops.append(("book", [zset, sizes], ["drop", member]))
+                self._books.end(lease.key, lease.token)
+        if drops:
+            await self._run(drops)
+
 
 def _other_books(
     names: KeyNames, key: str, scope: str, client: str
