@@ -256,9 +256,7 @@ async def _drop(url: str, scheme: str, name: str) -> None:
 
             client = cluster_client(url)
         else:
-            client = redis.asyncio.Redis.from_url(
-                url, socket_connect_timeout=10, socket_timeout=30
-            )
+            client = redis.asyncio.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=30)
         try:
             async for key in client.scan_iter(match=f"{name}:*", count=1000):
                 await client.delete(key)

@@ -286,6 +286,15 @@ class RedisClusterShared:
 
         return sum(1 for o in self._run(owners) if o not in (None, b"0"))
 
+    def lease_ends(self) -> list[float]:
+        async def ends(connection: Any) -> list[Any]:
+            names = [k async for k in connection.scan_iter(match="porch:r:*", count=1000)]
+            # Field l: the claim's lease end in server milliseconds, as on one server.
+            return [await connection.hmget(name, ["o", "l"]) for name in names]
+
+        records = self._run(ends)
+        return sorted(float(end) for owner, end in records if owner not in (None, b"0") and end)
+
     def parts(self) -> int:
         async def count(connection: Any) -> int:
             names = [k async for k in connection.scan_iter(match="porch:p:*", count=1000)]

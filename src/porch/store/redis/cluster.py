@@ -421,7 +421,8 @@ class RedisClusterStore(RedisStore):
     def admin(self) -> Any:
         from .admin import RedisAdmin
 
-        return RedisAdmin(self._connect, self.names, f"{redact(self.url)} (prefix {self.prefix})")
+        location = f"{redact(self.url)} (prefix {self.prefix})"
+        return RedisAdmin(self._connect, _close_client, self.names, location, self.clock)
 
     # -- sending ---------------------------------------------------------------------
 
