@@ -12,6 +12,9 @@ server of its own for a failure leg::
         cluster.primary_for("some key").stop(kill=True)   # its replica takes over
         cluster.move_slot(slot, to=other_primary)         # MOVED/ASK meanwhile
 
+``second_postgres_url`` / ``second_redis_url`` are a second server of each kind (the
+homes of a sharded store).
+
 The session fixture ``redis_cluster_url`` is a ``redis+cluster://`` URL of a
 cluster of six redis-servers in cluster mode (``redis-cli --cluster create``).
 
@@ -53,6 +56,8 @@ __all__ = [
     "running_postgres",
     "running_redis",
     "running_redis_cluster",
+    "second_postgres_url",
+    "second_redis_url",
 ]
 
 _START_TIMEOUT = 30.0  # a loaded CI machine; initdb + start takes 1-4 s when quiet
@@ -296,6 +301,14 @@ def postgres_url() -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="session")
+def second_postgres_url() -> Iterator[str]:
+    """Another PostgreSQL server's URL for the whole session (a sharded store's second home):
+    a throwaway cluster always."""
+    with running_postgres() as server:
+        yield server.url
+
+
 # -- Redis -------------------------------------------------------------------------
 
 
@@ -451,6 +464,14 @@ def redis_url() -> Iterator[str]:
     if external:
         yield external
         return
+    with running_redis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def second_redis_url() -> Iterator[str]:
+    """Another standalone redis-server's URL for the whole session (a sharded store's
+    second home): a throwaway server always."""
     with running_redis() as server:
         yield server.url
 

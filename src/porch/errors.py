@@ -10,6 +10,7 @@ __all__ = [
     "IntegrityError",
     "KeyInProgressError",
     "KeyReusedError",
+    "PartialStoreError",
     "PoolClosedError",
     "PorchError",
     "QuotaFullError",
@@ -90,3 +91,13 @@ class PoolClosedError(PorchError):
 
 class StoreError(PorchError):
     """Raised when the durable store cannot apply or read operations (locked, full, unreadable)."""
+
+
+class PartialStoreError(StoreError):
+    """Raised when a store applied some of a batch's operations and not the others (a
+    sharded store with one server down): ``failed`` holds the positions, in the batch, of
+    those that failed; the others were applied and their callers are answered."""
+
+    def __init__(self, message: str, failed: frozenset[int]) -> None:
+        super().__init__(message)
+        self.failed = failed

@@ -320,10 +320,11 @@ class DemoLauncher:
         limit: int,
         window: float,
         env: Mapping[str, str] | None = None,
-        **options: int | float | str,
+        **options: int | float | str | Sequence[str],
     ) -> DemoServer:
         """``options`` are further CLI flags: ``pool_size=1`` means ``--pool-size 1``,
-        ``worker_header=True`` means ``--worker-header``."""
+        ``worker_header=True`` means ``--worker-header``, ``store=[a, b]`` means
+        ``--store a --store b``."""
         n = len(self.servers)
         data_dir = self.root / f"server{n}" / "data"
         log_dir = self.root / f"server{n}" / "logs"
@@ -331,7 +332,11 @@ class DemoLauncher:
         argv = ["--limit", str(limit), "--window", f"{window:g}"]
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
+            if isinstance(value, (list, tuple)):
+                for each in value:
+                    argv += [flag, str(each)]
+            else:
+                argv += [flag] if value is True else [flag, str(value)]
         server = DemoServer(data_dir, log_dir, argv)
         self.servers.append(server)
         server.start(env=env)

@@ -325,6 +325,77 @@ def test_operator_commands_on_postgres(demo: DemoLauncher, pg_databases: tuple[s
     forget_and_run_again(server, store, "pg-1", "10.6.0.2")
 
 
+# -- the same commands on a store over two PostgreSQL servers -----------------------------------
+
+
+@pytest.fixture
+def two_pg_databases(postgres_url: str, second_postgres_url: str) -> Iterator[list[str]]:
+    """A database of this test's own on each of the session's two PostgreSQL servers."""
+    asyncpg = pytest.importorskip("asyncpg")
+    name = f"op_{uuid.uuid4().hex[:10]}"
+
+    async def sql(url: str, statement: str) -> None:
+        conn = await asyncpg.connect(url, timeout=10)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    servers = [postgres_url, second_postgres_url]
+    for url in servers:
+        asyncio.run(sql(url, f"CREATE DATABASE {name}"))
+    yield [f"{url.rsplit('/', 1)[0]}/{name}" for url in servers]
+    for url in servers:
+        asyncio.run(sql(url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.mark.postgres
+@pytest.mark.sharded
+def test_two_demo_hosts_and_the_operator_commands_on_two_servers(
+    demo: DemoLauncher, two_pg_databases: list[str]
+) -> None:
+    """``porch demo --store URL1 --store URL2`` on two hosts: they count one client exactly
+    together and replay a keyed order across hosts; ``porch inspect|reset|forget|check``
+    given the same --store options see and change both servers."""
+    urls = two_pg_databases
+    a = demo.start(limit=3, window=60, trust_proxy_hops=1, store=urls)
+    b = demo.start(limit=3, window=60, trust_proxy_hops=1, store=urls)
+    store = [arg for url in urls for arg in ("--store", url)]
+    clients = [f"10.8.0.{i}" for i in range(1, 9)]
+    for client in clients:  # three each, alternating hosts: the fourth is refused
+        assert [get(server, client).status_code for server in (a, b, a)] == [200] * 3
+        assert get(b, client).status_code == 429
+    with httpx.Client(base_url=a.base_url, timeout=30.0, trust_env=False) as http:
+        created = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": "sh-1", "X-Forwarded-For": "10.8.1.1"},
+        )
+    assert created.status_code == 201
+    with httpx.Client(base_url=b.base_url, timeout=30.0, trust_env=False) as http:
+        replayed = http.post(
+            "/orders",
+            json={"item": "tea", "qty": 1},
+            headers={"Idempotency-Key": "sh-1", "X-Forwarded-For": "10.8.1.1"},
+        )
+    assert replayed.headers["idempotent-replayed"] == "true"
+    assert replayed.content == created.content
+    document = inspect(*store)
+    counted = {c["client"]: c["count"] for c in document["counters"]}
+    assert all(counted[client] == 3 for client in clients)
+    assert [r["key"] for r in document["responses"]] == ["sh-1"]
+    # The clients' counters live on both servers (each on one).
+    found = [inspect("--store", url)["counters"] for url in urls]
+    assert all(found)
+    assert sum(len(f) for f in found) == len(document["counters"])
+    done = porch_cli("reset", *store, "--client", clients[0])
+    assert done.returncode == 0, done.stderr
+    assert get(b, clients[0]).status_code == 200
+    checked = porch_cli("check", *store)
+    assert checked.returncode == 0, checked.stderr
+    forget_and_run_again(a, store, "sh-1", "10.8.1.1")
+
+
 # -- and on a Redis store -----------------------------------------------------------------------
 
 

@@ -38,7 +38,9 @@ class DemoConfig:
     uds: str | None = None  # a unix socket to listen on, instead of host and port
     worker_header: bool = False  # X-Demo-Worker: <pid> on every response (multi-worker tests)
     durability: Durability = "process"
-    store: str | None = None  # a store URL (see porch.open_store); None: SQLite in data_dir
+    # A store URL (see porch.open_store), or several (--store once per server: a sharded
+    # store); None: SQLite in data_dir.
+    store: str | tuple[str, ...] | None = None
     algorithm: Algorithm = "fixed"  # of the --limit/--window rule (and --global-limit)
     burst: int | None = None  # gcra's burst of the per-client limit (None: the limit)
     global_limit: int | None = None  # every client together, per window (a second level)
@@ -109,6 +111,8 @@ class DemoConfig:
         """
         if self.store is None:
             return SQLiteStore(self.data_dir, durability=self.durability)
+        if not isinstance(self.store, str):
+            return open_store(list(self.store))
         if self.store.lower().startswith("sqlite:"):
             return open_store(self.store, durability=self.durability)
         return open_store(self.store)
@@ -119,4 +123,9 @@ class DemoConfig:
     @classmethod
     def from_env(cls) -> DemoConfig:
         raw = os.environ.get(CONFIG_ENV)
-        return cls(**json.loads(raw)) if raw else cls()
+        if not raw:
+            return cls()
+        fields = json.loads(raw)
+        if isinstance(fields.get("store"), list):  # several URLs: JSON has no tuples
+            fields["store"] = tuple(fields["store"])
+        return cls(**fields)

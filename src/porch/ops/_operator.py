@@ -35,7 +35,11 @@ def _target(p: argparse.ArgumentParser) -> None:
         help="the data directory (its porch.sqlite3); default ./porch-data",
     )
     where.add_argument(
-        "--store", default=None, help="a store URL (sqlite:///path/file.sqlite3, ...)"
+        "--store",
+        default=None,
+        action="append",
+        help="a store URL (sqlite:///path/file.sqlite3, ...); given once per server of a"
+        " sharded store (PostgreSQL or Redis), every command works on them all",
     )
 
 
@@ -84,8 +88,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _admin(args: argparse.Namespace) -> StoreAdmin:
     from ..store import SQLiteStore, open_store
 
-    if args.store is not None:
-        return _admin_of(open_store(args.store))
+    if args.store:
+        return _admin_of(open_store(args.store[0] if len(args.store) == 1 else args.store))
     return _admin_of(SQLiteStore(Path(args.data_dir or "./porch-data")))
 
 

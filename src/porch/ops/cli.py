@@ -47,9 +47,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument(
         "--store",
         default=None,
+        action="append",
         metavar="URL",
         help="counters and stored responses in this store: sqlite:///path/file.sqlite3,"
-        " postgresql://user@host:port/db, redis://host:port/db (shared by several hosts)",
+        " postgresql://user@host:port/db, redis://host:port/db (shared by several hosts);"
+        " given once per server (PostgreSQL or Redis), a store over them all, each key at"
+        " one of them",
     )
     p.add_argument("--limit", type=int, default=60, help="requests per window per client")
     p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
@@ -189,7 +192,7 @@ def _demo(args: argparse.Namespace) -> int:
             worker_header=args.worker_header,
             uds=args.uds,
             durability=args.durability,
-            store=args.store,
+            store=_stores(args.store),
             algorithm=args.algorithm,
             burst=args.burst,
             global_limit=args.global_limit,
@@ -219,7 +222,8 @@ def _demo(args: argparse.Namespace) -> int:
         _remove_stale_metrics_dirs()
         metrics_dir = tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    where = f"orders in {os.path.abspath(config.data_dir)}, store {config.store}"
+    shown = config.store if isinstance(config.store, str) else " + ".join(config.store or ())
+    where = f"orders in {os.path.abspath(config.data_dir)}, store {shown}"
     if config.store is None:
         where = f"data in {os.path.abspath(config.data_dir)}"
     address = f"unix:{config.uds}" if config.uds else f"http://{config.host}:{config.port}"
@@ -272,3 +276,10 @@ def _remove_stale_metrics_dirs() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _stores(given: list[str] | None) -> str | tuple[str, ...] | None:
+    """``--store`` as given: none, one URL, or several (one per server)."""
+    if not given:
+        return None
+    return given[0] if len(given) == 1 else tuple(given)

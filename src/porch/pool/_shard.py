@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._tasks import stop_task
-from ..errors import PoolClosedError, StoreError
+from ..errors import PartialStoreError, PoolClosedError, StoreError
 from ._mailbox import Mailbox
 
 if TYPE_CHECKING:
@@ -184,10 +184,12 @@ class Shard:
             self.busy = True
             if pace is not None and len(batch) == 1:
                 pace.contended = False  # callers come one at a time again
+            ends: list[int] = []
             try:
                 ops: list[StoreOp] = []
                 for call in batch:
                     call.prepare(self, ops)
+                    ends.append(len(ops))
                 if ops:
                     if apply_then is not None:
                         replies = _Replies(self, batch, len(ops), loop.create_future())
@@ -201,7 +203,7 @@ class Shard:
                         await apply(ops)
                         metrics.committed(clock() - started, len(ops))
             except Exception as exc:  # the actor must outlive any failure
-                self._fail(batch, exc)
+                self._fail(batch, exc, ends)
                 continue
             self._finish(batch)
 
@@ -238,6 +240,7 @@ class Shard:
             try:
                 for call in batch:
                     call.prepare(self, entry.ops)
+                    entry.ends.append(len(entry.ops))
             except Exception as exc:  # failed in its turn, like a failed transaction
                 entry.done.set_exception(exc)
             else:
@@ -257,7 +260,7 @@ class Shard:
         """Answer an overlapped batch's calls, once it and every batch before are done."""
         exc = entry.done.exception()
         if exc is not None:
-            self._fail(entry.batch, exc)
+            self._fail(entry.batch, exc, entry.ends)
             return
         if self.metrics is not None and entry.ops:
             self.metrics.committed(entry.finished - entry.started, len(entry.ops))
@@ -280,11 +283,22 @@ class Shard:
         logger.error("porch shard %d: unexpected failure", self.index, exc_info=exc)
         return StoreError(repr(exc))
 
-    def _fail(self, batch: list[Call], exc: BaseException) -> None:
-        """Fail every call of a batch whose transaction failed."""
+    def _fail(self, batch: list[Call], exc: BaseException, ends: list[int] | None = None) -> None:
+        """Fail every call of a batch whose transaction failed; of a batch a store applied
+        in part (PartialStoreError, with ``ends``: where each call's ops end), only the
+        calls with an op that failed: the others are answered."""
         error = self.store_error(exc)
-        for call in batch:
+        failed = error.failed if isinstance(error, PartialStoreError) else None
+        start = 0
+        for i, call in enumerate(batch):
             try:
+                if failed is not None and ends is not None and i < len(ends):
+                    end = ends[i]
+                    if not any(j in failed for j in range(start, end)):
+                        start = end
+                        call.finish(self)
+                        continue
+                    start = end
                 call.fail(self, error)
             except Exception:
                 logger.exception("porch shard %d: a reply failed", self.index)
@@ -345,11 +359,12 @@ class _Replies:
 class _Applying:
     """One batch of an overlapped shard: its calls, its ops, and when its apply is done."""
 
-    __slots__ = ("batch", "done", "finished", "ops", "started", "task")
+    __slots__ = ("batch", "done", "ends", "finished", "ops", "started", "task")
 
     def __init__(self, batch: list[Call], done: asyncio.Future[None]) -> None:
         self.batch = batch
         self.ops: list[StoreOp] = []
+        self.ends: list[int] = []  # where each call's ops end in ops
         self.done = done
         self.task: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
         self.started = 0.0

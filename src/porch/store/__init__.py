@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -25,6 +26,7 @@ from .base import (
     StoreStatistics,
     Vacate,
 )
+from .sharded import ShardedStore
 from .sqlite import SQLiteStore
 from .urls import redact
 
@@ -42,6 +44,7 @@ __all__ = [
     "SQLiteStore",
     "Save",
     "SaveOutcome",
+    "ShardedStore",
     "Store",
     "StoreOp",
     "StoreStatistics",
@@ -63,7 +66,7 @@ SCHEMES = (
 """The URL schemes :func:`open_store` knows."""
 
 
-def open_store(url: str, **options: Any) -> Store:
+def open_store(url: str | Sequence[str], **options: Any) -> Store:
     """The store a URL names (not opened yet: the pool opens it); ``options`` go to its class.
 
     - ``sqlite:///abs/path/file.sqlite3`` or ``sqlite:relative/file.sqlite3``:
@@ -72,9 +75,27 @@ def open_store(url: str, **options: Any) -> Store:
     - ``redis://…`` / ``rediss://…`` / ``unix://…``: the Redis store (``porch[redis]``).
     - ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://…``: the Redis
       Cluster store (``porch[redis]``).
+    - several URLs (a list; one per server, PostgreSQL or Redis, all of one kind): a
+      :class:`ShardedStore` over the store each names, each with ``options``.
 
     Raises ConfigurationError for an unknown scheme, a malformed URL or a missing driver.
     """
+    if not isinstance(url, str) and isinstance(url, Sequence):
+        urls = list(url)
+        if not urls:
+            raise ConfigurationError("open_store needs a store URL, got an empty list")
+        if len(urls) == 1:
+            return open_store(urls[0], **options)
+        schemes = {str(u).split(":", 1)[0].lower() for u in urls}
+        if len(schemes & {"postgresql", "postgres"}) != len(schemes) and len(
+            schemes & {"redis", "rediss", "unix"}
+        ) != len(schemes):
+            shown = ", ".join(redact(str(u)) for u in urls)
+            raise ConfigurationError(
+                "several store URLs must all be PostgreSQL or all Redis (one per server),"
+                f" got {shown}"
+            )
+        return ShardedStore([open_store(u, **options) for u in urls])
     if not isinstance(url, str) or ":" not in url:
         raise ConfigurationError(
             f"a store URL needs a scheme ({', '.join(s + ':' for s in SCHEMES)}),"

@@ -1,6 +1,7 @@
 """A claim holder in a process of its own: ``holder.py URL OPTIONS_JSON KEY``.
 
-Opens the store with ``porch.open_store(URL, **OPTIONS)``, claims KEY and
+Opens the store with ``porch.open_store(URL, **OPTIONS)`` (URL may be a JSON list: a
+sharded store's servers), claims KEY and
 prints the claim as one JSON line (KEY ``-``: claims nothing). Then, one command
 per stdin line, answering each with one JSON line: ``save TTL BODY`` (store a
 201 with BODY, fenced by the claim's token), ``release``, ``hit KEY AMOUNT
@@ -37,7 +38,8 @@ def say(**fields: object) -> None:
 
 
 async def main(url: str, options: dict[str, object], key: str) -> None:
-    store = porch.open_store(url, **options)
+    # A JSON list: one URL per server of a sharded store.
+    store = porch.open_store(json.loads(url) if url.startswith("[") else url, **options)
     await store.open()
     try:
         reserving = json.loads(os.environ.get("PORCH_HOLDER_CLAIM", "{}"))

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from porch.clock import ManualClock
 from porch.store.base import Hit, Settle, Store
 
-from .conftest import Backend, hit_on, report_of
+from .conftest import Backend, hit_on, one_home, report_of
 from .model import Model, Policy, Report
 
 pytestmark = pytest.mark.anyio
@@ -68,7 +68,9 @@ def rules(draw: st.DrawFn, algorithms: Sequence[str]) -> list[tuple[int, str, in
 
 
 async def play(store: Store, clock: ManualClock, drawn: list[Any], batches: list[Any]) -> None:
-    run = next(_runs)
+    run = one_home(
+        store, _runs, lambda n: [f"rl\x1falike{n}\x1fl{i}\x1f{lv}" for i, lv in enumerate(LEVELS)]
+    )
     policies = [
         Policy(f"rl\x1falike{run}\x1fl{level}\x1f{LEVELS[level]}", algorithm, amount, window, burst)
         for level, algorithm, amount, window, burst in drawn

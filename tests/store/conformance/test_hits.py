@@ -43,7 +43,7 @@ async def test_hits_in_one_batch_count_in_order(backend: Backend) -> None:
 
 async def test_a_batch_mixing_clients_and_rules_decides_each_hit_in_turn(backend: Backend) -> None:
     store = await backend.store()
-    pair = (["m:short", "m:long"], [3, 5], [60.0, 60.0])
+    pair = (backend.together(store, "m:short", "m:long"), [3, 5], [60.0, 60.0])
     other = (["m:other"], [2], [60.0])
     hits = [Hit(*shape) for shape in (pair, other, pair, pair, other, other, pair, pair)]
     await store.apply(hits)
@@ -75,7 +75,7 @@ async def test_several_limits_are_all_or_nothing_and_a_refusal_consumes_nothing(
     backend: Backend,
 ) -> None:
     store = await backend.store()
-    keys, amounts = ["c:short", "c:long"], [2, 3]
+    keys, amounts = backend.together(store, "c:short", "c:long"), [2, 3]
     short = 0.5  # a real half second on a server's clock
     windows = [short, 60.0]
     first = await hit(store, keys, amounts, windows)
@@ -93,7 +93,7 @@ async def test_several_limits_are_all_or_nothing_and_a_refusal_consumes_nothing(
     fifth = await hit(store, keys, amounts, windows)
     assert [(h.allowed, used(h)) for h in (fourth, fifth)] == [(True, [1, 3]), (False, [1, 3])]
     # Other rules sharing one of the keys see exactly what was consumed.
-    alone = await hit(store, ["c:long"], [4], [60.0])
+    alone = await hit(store, [keys[1]], [4], [60.0])
     assert (alone.allowed, used(alone)) == (True, [4])
 
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from porch.clock import ManualClock
 from porch.store.base import Algorithm, Hit, Settle, Store, StoreOp
 
-from .conftest import Backend, hit_on, report_of
+from .conftest import Backend, hit_on, one_home, report_of
 from .model import Model, Policy, Report
 
 pytestmark = pytest.mark.anyio
@@ -91,7 +91,11 @@ class Run:
     ) -> None:
         self.store = store
         self.clock = clock
-        run = next(_runs)
+        run = one_home(
+            store,
+            _runs,
+            lambda n: [f"rl\x1fpolicies{n}\x1fl{i}\x1f{lv}" for i, lv in enumerate(LEVELS)],
+        )
         # A key space of its own per run, so the runs of one store never meet.
         self.rules = [
             [

@@ -32,6 +32,7 @@ async def claim(store: Store, key: str, **options: object) -> Claim:
 
 
 async def test_a_client_cannot_buy_more_room_with_new_credentials(backend: Backend) -> None:
+    backend.quotas_across_keys()
     # Catches: each new Cookie was a new scope with its own quota (issue 26, finding 1).
     store = await backend.store()
     quota = Quota(scope_bytes=1000, total_bytes=10_000, client_bytes=150)
@@ -45,6 +46,7 @@ async def test_a_client_cannot_buy_more_room_with_new_credentials(backend: Backe
 
 
 async def test_a_claim_is_refused_when_its_reservation_does_not_fit(backend: Backend) -> None:
+    backend.quotas_across_keys()
     one, other = await backend.store(), await backend.store()
     quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=240)
     mine = {"client": "10.0.0.1", "quota": quota, "reserve": 100}
@@ -70,6 +72,7 @@ async def test_a_claim_is_refused_when_its_reservation_does_not_fit(backend: Bac
 
 
 async def test_each_cap_is_named(backend: Backend) -> None:
+    backend.quotas_across_keys()
     store = await backend.store()
     scope_cap = Quota(scope_bytes=150, total_bytes=10_000, client_bytes=10_000)
     total_cap = Quota(scope_bytes=10_000, total_bytes=150, client_bytes=10_000)
@@ -96,6 +99,7 @@ async def test_a_save_within_its_reservation_always_fits(backend: Backend) -> No
 
 
 async def test_a_dead_holders_reservation_is_reclaimed(backend: Backend) -> None:
+    backend.quotas_across_keys()
     quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=150)
     reserving = {"scope": "s", "client": "c", "reserve": 100, "quota": [10_000, 10_000, 150]}
     holder = await backend.holder(

@@ -63,6 +63,7 @@ def sized(n: int) -> StoredResponse:
 
 
 async def test_a_scope_over_its_quota_stores_nothing(backend: Backend) -> None:
+    backend.quotas_across_keys()
     """60-byte bodies under a 100-byte scope cap: one fits (whatever the per-row overhead
     up to 40 bytes), two never do."""
     store = await backend.store()
@@ -76,6 +77,7 @@ async def test_a_scope_over_its_quota_stores_nothing(backend: Backend) -> None:
 
 
 async def test_the_store_over_its_total_quota_stores_nothing(backend: Backend) -> None:
+    backend.quotas_across_keys()
     store = await backend.store()
     quota = Quota(scope_bytes=1000, total_bytes=150)
     assert await save(store, "t:a", sized(60), 60.0, scope="s1", quota=quota) == "saved"
@@ -85,6 +87,7 @@ async def test_the_store_over_its_total_quota_stores_nothing(backend: Backend) -
 
 
 async def test_quotas_count_live_bytes_only(backend: Backend) -> None:
+    backend.quotas_across_keys()
     store = await backend.store()
     quota = Quota(scope_bytes=100, total_bytes=150)
     assert await save(store, "live:a", sized(60), 0.5, scope="s", quota=quota) == "saved"

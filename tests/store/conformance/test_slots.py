@@ -105,9 +105,10 @@ async def test_slots_are_all_or_nothing_with_the_rate_limits(backend: Backend) -
 
 async def test_several_slot_keys_are_taken_all_or_nothing(backend: Backend) -> None:
     store = await slotted(backend)
+    narrow, wide_key = backend.together(store, "s:narrow", "s:wide")
 
     def both() -> Hit:
-        return Hit([], [], [], slots=["s:narrow", "s:wide"], caps=[1, 3])
+        return Hit([], [], [], slots=[narrow, wide_key], caps=[1, 3])
 
     first = both()
     await store.apply([first])
@@ -115,7 +116,7 @@ async def test_several_slot_keys_are_taken_all_or_nothing(backend: Backend) -> N
     await store.apply([second])
     assert (first.allowed, first.in_flight) == (True, [1, 1])
     assert (second.allowed, second.in_flight) == (False, [1, 1])
-    wide = [await take(store, "s:wide", 3) for _ in range(3)]
+    wide = [await take(store, wide_key, 3) for _ in range(3)]
     assert [h.allowed for h in wide] == [True, True, False]
     await vacate(store, first)
     third = both()  # narrow is free, wide full (two slot-only requests and nobody else)
