@@ -41,6 +41,8 @@ class DemoConfig:
     # A store URL (see porch.open_store), or several (--store once per server: a sharded
     # store); None: SQLite in data_dir.
     store: str | tuple[str, ...] | None = None
+    # --previous-store: of several --store URLs, the servers there before others were added.
+    previous_store: tuple[str, ...] = ()
     algorithm: Algorithm = "fixed"  # of the --limit/--window rule (and --global-limit)
     burst: int | None = None  # gcra's burst of the per-client limit (None: the limit)
     global_limit: int | None = None  # every client together, per window (a second level)
@@ -112,7 +114,9 @@ class DemoConfig:
         if self.store is None:
             return SQLiteStore(self.data_dir, durability=self.durability)
         if not isinstance(self.store, str):
-            return open_store(list(self.store))
+            return open_store(list(self.store), previous=list(self.previous_store))
+        if self.previous_store:
+            raise ConfigurationError("--previous-store needs --store given once per server")
         if self.store.lower().startswith("sqlite:"):
             return open_store(self.store, durability=self.durability)
         return open_store(self.store)
@@ -128,4 +132,5 @@ class DemoConfig:
         fields = json.loads(raw)
         if isinstance(fields.get("store"), list):  # several URLs: JSON has no tuples
             fields["store"] = tuple(fields["store"])
+        fields["previous_store"] = tuple(fields.get("previous_store", ()))
         return cls(**fields)

@@ -54,6 +54,15 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         " given once per server (PostgreSQL or Redis), a store over them all, each key at"
         " one of them",
     )
+    p.add_argument(
+        "--previous-store",
+        default=[],
+        action="append",
+        metavar="URL",
+        help="after adding servers: one of the --store URLs that was there before (once per"
+        " old server); a stored response whose home moved is replayed from it until it"
+        " expires (docs/stores/sharding.md)",
+    )
     p.add_argument("--limit", type=int, default=60, help="requests per window per client")
     p.add_argument("--window", type=float, default=60.0, help="window length in seconds")
     p.add_argument(
@@ -193,6 +202,7 @@ def _demo(args: argparse.Namespace) -> int:
             uds=args.uds,
             durability=args.durability,
             store=_stores(args.store),
+            previous_store=tuple(args.previous_store),
             algorithm=args.algorithm,
             burst=args.burst,
             global_limit=args.global_limit,

@@ -76,15 +76,18 @@ def open_store(url: str | Sequence[str], **options: Any) -> Store:
     - ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://…``: the Redis
       Cluster store (``porch[redis]``).
     - several URLs (a list; one per server, PostgreSQL or Redis, all of one kind): a
-      :class:`ShardedStore` over the store each names, each with ``options``.
+      :class:`ShardedStore` over the store each names, each with ``options``;
+      ``previous=[...]``, some of those URLs: the servers there before others were added
+      (see ``ShardedStore``'s ``previous``).
 
     Raises ConfigurationError for an unknown scheme, a malformed URL or a missing driver.
     """
+    previous = list(options.pop("previous", None) or ())
     if not isinstance(url, str) and isinstance(url, Sequence):
         urls = list(url)
         if not urls:
             raise ConfigurationError("open_store needs a store URL, got an empty list")
-        if len(urls) == 1:
+        if len(urls) == 1 and not previous:
             return open_store(urls[0], **options)
         schemes = {str(u).split(":", 1)[0].lower() for u in urls}
         if len(schemes & {"postgresql", "postgres"}) != len(schemes) and len(
@@ -95,7 +98,15 @@ def open_store(url: str | Sequence[str], **options: Any) -> Store:
                 "several store URLs must all be PostgreSQL or all Redis (one per server),"
                 f" got {shown}"
             )
-        return ShardedStore([open_store(u, **options) for u in urls])
+        unknown = [redact(str(u)) for u in previous if u not in urls]
+        if unknown:
+            raise ConfigurationError(
+                f"previous names stores that are not among the URLs: {', '.join(unknown)}"
+            )
+        stores = [open_store(u, **options) for u in urls]
+        return ShardedStore(stores, previous=[stores[urls.index(u)] for u in previous])
+    if previous:
+        raise ConfigurationError("previous is for several store URLs (a sharded store)")
     if not isinstance(url, str) or ":" not in url:
         raise ConfigurationError(
             f"a store URL needs a scheme ({', '.join(s + ':' for s in SCHEMES)}),"

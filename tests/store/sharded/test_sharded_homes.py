@@ -96,6 +96,27 @@ def test_a_sharded_store_holds_stores_of_one_network_kind(tmp_path: object) -> N
     assert len(both.stores) == 2
 
 
+def test_previous_servers_are_named_by_their_urls() -> None:
+    """open_store(urls, previous=[...]) and the demo's --previous-store: the old servers,
+    each one of the URLs."""
+    pytest.importorskip("asyncpg")
+    from porch.demo.config import DemoConfig
+
+    urls = ["postgresql://a/p", "postgresql://b/p", "postgresql://c/p"]
+    store = open_store(urls, previous=urls[:2])
+    assert isinstance(store, ShardedStore)
+    assert store.previous == tuple(store.stores[:2])
+    with pytest.raises(ConfigurationError, match="not among the URLs"):
+        open_store(urls[:2], previous=["postgresql://d/p"])
+    with pytest.raises(ConfigurationError, match="for several store URLs"):
+        open_store(urls[0], previous=urls[:1])
+    demo = DemoConfig(store=tuple(urls), previous_store=tuple(urls[:2])).open_store()
+    assert isinstance(demo, ShardedStore)
+    assert len(demo.previous) == 2
+    with pytest.raises(ConfigurationError, match="--previous-store needs"):
+        DemoConfig(store=urls[0], previous_store=(urls[0],)).open_store()
+
+
 def test_its_capabilities_are_what_every_store_offers() -> None:
     pytest.importorskip("asyncpg")
     store = open_store(["postgresql://a/p", "postgresql://b/p"])

@@ -160,6 +160,11 @@ class ShardedStore:
                 raise result
 
     @property
+    def previous(self) -> tuple[Store, ...]:
+        """The stores there before servers were added (``previous``), of :attr:`stores`."""
+        return tuple(self.stores[i] for i in self._previous)
+
+    @property
     def secret(self) -> bytes:
         """The first store's secret (see :attr:`porch.store.base.Store.secret`)."""
         if self._nodes is None:
