@@ -5,8 +5,9 @@
 #   ./scripts/bench.sh --rounds 5  # options go to bench.py
 # With the defaults (3 rounds × 5 s of every row) it takes about 25 minutes on 2 cores,
 # more on a busy machine; each script records its own time and docs/benchmarks.md states it.
+# A venv of its own: the benchmarks' pins (redis <8 for slowapi) would change the test tools'.
+export PORCH_VENV=.venv-bench PORCH_EXTRAS=test,bench
 source "$(dirname "$0")/_env.sh"
-python -m pip install --quiet --disable-pip-version-check -e ".[test,bench]" >&2
 missing=()
 command -v wrk >/dev/null || missing+=(wrk)
 command -v redis-server >/dev/null || missing+=(redis-server)
