@@ -44,7 +44,7 @@ def own_server(backend: Backend) -> Iterator[PostgresServer | RedisServer]:
         with running_redis(appendonly=True, appendfsync="always") as redis:
             yield redis
     elif backend.name.startswith("sharded"):
-        pytest.skip("a sharded store's homes lost: tests/store/sharded/test_failures.py")
+        pytest.skip("a sharded store's homes lost: tests/store/sharded/test_sharded_failures.py")
     else:
         pytest.skip("SQLite has no server to lose")
 
