@@ -85,13 +85,17 @@ async def test_the_admin_reads_counters_on_the_clock_they_were_decided_on(
     store = await backend.store(clock=clock)
     key = "rl\x1fapi\x1f2-per-60s\x1fc1"
     await store.apply([Hit([key], [2], [60.0])])
-    admin = store.capabilities.admin
-    assert admin is not None
-    [counter] = await admin().counters(client="c1")
-    assert (counter.rule, counter.limit, counter.count) == ("api", "2-per-60s", 1)
-    assert 59.0 < counter.reset_in <= 60.0
-    clock.advance(30)
-    [counter] = await admin().counters(client="c1")
-    assert 29.0 < counter.reset_in <= 30.0
-    clock.advance(31)  # the window has ended on the test clock, not on the server's
-    assert await admin().counters(client="c1") == []
+    opener = store.capabilities.admin
+    assert opener is not None
+    admin = opener()
+    try:
+        [counter] = await admin.counters(client="c1")
+        assert (counter.rule, counter.limit, counter.count) == ("api", "2-per-60s", 1)
+        assert 59.0 < counter.reset_in <= 60.0
+        clock.advance(30)
+        [counter] = await admin.counters(client="c1")
+        assert 29.0 < counter.reset_in <= 30.0
+        clock.advance(31)  # the window has ended on the test clock, not on the server's
+        assert await admin.counters(client="c1") == []
+    finally:
+        await admin.close()
