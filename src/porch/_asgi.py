@@ -148,3 +148,17 @@ async def _own_lifespan(
         elif kind == "lifespan.shutdown":
             await opening({"type": "lifespan.shutdown.complete"})
             return
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """Hand the app the body already read, then the real channel (a disconnect, say)."""
+    pending = True
+
+    async def wrapped() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return wrapped

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .._asgi import pass_through, route_path
+from .._asgi import pass_through, replaying, route_path
 from .._paths import normalize_method
 from .._responses import BytesResponse, problem
-from .._types import ASGIApp, Message, Receive, Scope, Send
+from .._types import ASGIApp, Receive, Scope, Send
 from ..errors import (
     ConfigurationError,
     ForwardingHeaderError,
@@ -572,7 +572,7 @@ class IdempotencyMiddleware:
         self, scope: Scope, receive: Receive, capture: Capture, body: bytes
     ) -> None:
         try:
-            await self.app(scope, _replaying(body, receive), capture)
+            await self.app(scope, replaying(body, receive), capture)
         finally:
             # Always report, also when the handler raised or was cancelled: a
             # missing report would leave the duplicates parked until their deadline.
@@ -636,17 +636,3 @@ def _replay(stored: StoredResponse) -> BytesResponse:
     headers = [pair for pair in stored.headers if pair[0] in REPLAYED_HEADERS]
     headers.append((b"idempotent-replayed", b"true"))
     return BytesResponse(stored.status, stored.body, headers)
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """Hand the app the body already read, then the real channel (a disconnect, say)."""
-    pending = True
-
-    async def wrapped() -> Message:
-        nonlocal pending
-        if pending:
-            pending = False
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return wrapped

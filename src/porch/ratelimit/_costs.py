@@ -14,7 +14,7 @@ import json
 from collections.abc import MutableMapping
 from typing import Any
 
-from .._types import Message, Receive, Scope
+from .._types import Receive, Scope
 
 __all__ = [
     "RESERVATIONS",
@@ -22,7 +22,6 @@ __all__ = [
     "BodyTooLarge",
     "CostRequest",
     "Reservation",
-    "replaying",
     "settle",
 ]
 
@@ -94,20 +93,6 @@ class CostRequest:
             return json.loads(await self.body(max_bytes))
         except RecursionError:  # nested too deeply for the parser: not a body to read
             raise ValueError("the body is nested too deeply") from None
-
-
-def replaying(body: bytes, receive: Receive) -> Receive:
-    """Hand the app the body already read, then the real channel (a disconnect, say)."""
-    pending = True
-
-    async def wrapped() -> Message:
-        nonlocal pending
-        if pending:
-            pending = False
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return wrapped
 
 
 class Reservation:

@@ -13,10 +13,11 @@ import inspect
 import logging
 from collections.abc import Callable
 
+from .._asgi import replaying
 from .._eventlog import EventLog
 from .._responses import problem
 from .._types import ASGIApp, Receive, Scope
-from ._costs import BodyGone, BodyTooLarge, CostRequest, replaying
+from ._costs import BodyGone, BodyTooLarge, CostRequest
 from ._decisions import CompiledRule, level_key
 
 __all__ = ["Resolved", "resolve"]
