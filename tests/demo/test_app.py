@@ -120,6 +120,11 @@ async def test_orders_are_paginated(tmp_path: Path) -> None:
         (["--burst", "5"], "--burst takes an integer >= 1 with --algorithm gcra, got 5 with fixed"),
         (["--algorithm", "gcra", "--burst", "0"], "--burst takes an integer >= 1"),
         (["--global-limit", "0"], "--global-limit must be >= 1, got 0"),
+        (["--global-slice", "5"], "--global-slice takes 1 to --global-limit units, got 5"),
+        (
+            ["--global-limit", "10", "--global-slice", "5", "--algorithm", "sliding"],
+            "--global-slice takes fixed windows",
+        ),
         (["--token-budget", "0"], "--token-budget must be >= 1, got 0"),
         (["--plans", "free"], "--plans takes 'name=rate[;rate...]' pairs"),
         (["--plans", "free-x=1/s"], "--plans takes 'name=rate[;rate...]' pairs"),

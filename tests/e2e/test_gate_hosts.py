@@ -969,6 +969,55 @@ def test_a_global_limit_is_exact_across_two_hosts(demo: DemoLauncher, shared: Sh
     assert sum(shared.count(f"192.0.2.{i}") for i in range(1, 61)) == 30
 
 
+def test_a_sliced_global_limit_is_never_exceeded_across_three_hosts(
+    demo: DemoLauncher, shared: Shared
+) -> None:
+    # --global-slice 5: each host leases 5 units of the global 60 at a time and gives them
+    # out itself. Every unit served was charged first; what hosts hold when they stop comes
+    # back; never more than 60 served, at most a slice per host short of it. Counted from
+    # the store's rows.
+    key = f"rl{US}default{US}global{US}"
+
+    def three_hosts() -> list[DemoServer]:
+        return [
+            demo.start(
+                limit=10000,
+                window=600,
+                store=shared.url,
+                global_limit=60,
+                global_slice=5,
+                trust_proxy_hops=1,
+            )
+            for _ in range(3)
+        ]
+
+    def at_once(hosts: list[DemoServer], first: int, n: int) -> list[httpx.Response]:
+        calls = [
+            ("GET", f"{hosts[i % 3].base_url}/products", {"X-Forwarded-For": f"192.0.2.{i}"}, None)
+            for i in range(first, first + n)
+        ]
+        return asyncio.run(_requests(calls))
+
+    hosts = three_hosts()
+    assert all(r.status_code == 200 for r in at_once(hosts, 1, 40))
+    # 14, 13 and 13 requests: three slices leased by each host, some units still held.
+    assert 40 < shared.count("", prefix=key) <= 40 + 3 * 5
+    for host in hosts:
+        host.terminate()
+    assert shared.count("", prefix=key) == 40  # what they held, handed back
+
+    hosts = three_hosts()
+    responses = at_once(hosts, 41, 110)  # 20 units left in the window
+    served = sum(r.status_code == 200 for r in responses)
+    assert Counter(r.status_code for r in responses) == {200: served, 429: 110 - served}
+    assert 20 - 3 * 5 <= served <= 20
+    assert {r.json()["level"] for r in responses if r.status_code == 429} == {"global"}
+    assert shared.count("", prefix=key) <= 60
+    for host in hosts:
+        host.terminate()
+    assert shared.count("", prefix=key) == 40 + served
+
+
 def test_plans_are_exact_across_two_hosts(demo: DemoLauncher, shared: Shared) -> None:
     a, b = two_hosts(demo, shared, limit=1, plans="free=3/minute,pro=20/minute")
     calls = [

@@ -134,6 +134,31 @@ async def test_a_closed_pool_can_start_again(tmp_path: Path) -> None:
         await pool.close()
 
 
+async def test_hooks_run_as_the_pool_closes_while_its_actors_still_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = KeyPool(SQLiteStore(tmp_path), size=2)
+    answered: list[bool] = []
+
+    async def failing() -> None:
+        raise RuntimeError("this hook fails")
+
+    async def hand_back() -> None:
+        call = HitCall(Hit(["k"], [10], [60.0]))
+        pool.submit("k", call)
+        answered.append((await call.future).allowed)
+
+    pool.before_close(failing)  # logged; never in the way of the close or the next hook
+    pool.before_close(hand_back)
+    await pool.start()
+    await pool.close()
+    assert answered == [True]
+    assert "a hook run as the pool closed failed: RuntimeError('this hook fails')" in caplog.text
+    assert not pool.started
+    await pool.close()  # closed: the hooks do not run again
+    assert answered == [True]
+
+
 async def test_a_failing_call_does_not_kill_its_shard() -> None:
     class Broken(HitCall):
         def prepare(self, shard: Shard, ops: list[StoreOp]) -> None:

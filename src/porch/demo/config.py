@@ -46,6 +46,7 @@ class DemoConfig:
     algorithm: Algorithm = "fixed"  # of the --limit/--window rule (and --global-limit)
     burst: int | None = None  # gcra's burst of the per-client limit (None: the limit)
     global_limit: int | None = None  # every client together, per window (a second level)
+    global_slice: int | None = None  # --global-limit's units a host leases at a time
     token_budget: int = 10_000  # POST /completions: tokens per client per window
     plans: str | None = None  # "free=5/minute,pro=50/minute": limits by bearer token's plan
 
@@ -77,6 +78,21 @@ class DemoConfig:
             )
         if self.global_limit is not None and self.global_limit < 1:
             raise ConfigurationError(f"--global-limit must be >= 1, got {self.global_limit}")
+        if self.global_slice is not None:
+            if self.global_limit is None or not 1 <= self.global_slice <= self.global_limit:
+                raise ConfigurationError(
+                    f"--global-slice takes 1 to --global-limit units, got {self.global_slice}"
+                    f" with --global-limit {self.global_limit}"
+                )
+            if (
+                self.algorithm != "fixed"
+                or self.plans is not None
+                or self.max_in_flight is not None
+            ):
+                raise ConfigurationError(
+                    "--global-slice takes fixed windows, without --plans or --max-in-flight"
+                    " (the store decides those with every limit together)"
+                )
         if self.token_budget < 1:
             raise ConfigurationError(f"--token-budget must be >= 1, got {self.token_budget}")
         self.plan_limits()  # a bad --plans is refused here, by the CLI

@@ -47,6 +47,7 @@ def rate_rules(config: DemoConfig, identity: ClientIdentity) -> tuple[KeyFunc, l
                 name="global",
                 algorithm=config.algorithm,
                 level=GLOBAL,
+                slice=config.global_slice,
             )
         )
     key: KeyFunc = identity

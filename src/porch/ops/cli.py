@@ -86,6 +86,14 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="also N requests per window for every client together (a second level)",
     )
     p.add_argument(
+        "--global-slice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decide --global-limit on each host from N units it leases at a time: fewer"
+        " store round trips, never over the limit, under it by at most N per host",
+    )
+    p.add_argument(
         "--token-budget",
         type=int,
         default=10_000,
@@ -206,6 +214,7 @@ def _demo(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             burst=args.burst,
             global_limit=args.global_limit,
+            global_slice=args.global_slice,
             token_budget=args.token_budget,
             plans=args.plans,
         )
@@ -242,6 +251,8 @@ def _demo(args: argparse.Namespace) -> int:
         policy += f" ({config.algorithm})"
     if config.global_limit is not None:
         policy += f", {config.global_limit} for everyone"
+        if config.global_slice is not None:
+            policy += f" (leased {config.global_slice} at a time)"
     print(
         f"porch demo serving on {address} ({redact(where)}, {policy})",
         flush=True,

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,7 @@ class KeyPool:
 
     __slots__ = (
         "_failed",
+        "_hooks",
         "_keeper",
         "_lock",
         "_loop",
@@ -124,6 +126,8 @@ class KeyPool:
         # One start-up lock per loop: an asyncio.Lock binds to the loop it first waits on.
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._failed: tuple[float, StoreError] | None = None
+        # What runs as the pool closes, while its actors still take calls (before_close).
+        self._hooks: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def size(self) -> int:
@@ -243,10 +247,26 @@ class KeyPool:
             except Exception as exc:
                 logger.warning("porch: closing the store as its event loop ended failed: %r", exc)
 
+    def before_close(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await ``hook`` when the pool closes on its running loop, before its actors stop:
+        a middleware returning what it holds (the unspent units of sliced limits)."""
+        self._hooks.append(hook)
+
     async def close(self) -> None:
         """Refuse new calls, fail queued and parked callers (PoolClosedError), close the store."""
         if not self._started:
             return
+        if self._hooks and self._loop is asyncio.get_running_loop():
+            for hook in self._hooks:
+                # Bounded, and never in the way of the close: what a hook could not hand
+                # back is what a host killed outright would leave (a stated bound).
+                try:
+                    async with asyncio.timeout(_CLOSE_TIMEOUT):
+                        await hook()
+                except Exception as exc:
+                    logger.warning("porch: a hook run as the pool closed failed: %r", exc)
+            if not self._started:
+                return  # (closed meanwhile, by another close())
         self._started = False
         keeper, self._keeper = self._keeper, None
         running = asyncio.get_running_loop()

@@ -104,6 +104,7 @@ class CompiledRule:
         "quotas",
         "rule",
         "simple",
+        "sliced",
         "slot_caps",
         "slot_names",
         "slot_prefixes",
@@ -143,6 +144,8 @@ class CompiledRule:
         # Each level once, in order: the keys a request's hit needs.
         self.level_names = tuple(dict.fromkeys(self.levels))
         self.level_keys = dict(rule.levels)  # the declared levels' key functions
+        # The limits a host decides from slices it leases (Limit(slice=...)), by index.
+        self.sliced = tuple(j for j, limit in enumerate(limits) if limit.slice is not None)
         # Today's shape: one key (the client's), one unit, nothing to settle, no plans, no
         # concurrency caps. The middleware's hot path takes only these; the rest, _policy.
         self.plain = (
@@ -152,6 +155,7 @@ class CompiledRule:
             and rule.plans is None
             and not rule.concurrency
             and self.level_names == (CLIENT,)
+            and not self.sliced
         )
         # The policy each limit announces: q units per w seconds (gcra: its burst per
         # full refill, ceil(B * T)).

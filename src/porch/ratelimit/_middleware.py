@@ -45,6 +45,7 @@ from ._decisions import (
 from ._policies import Resolved, resolve
 from ._refusals import RefusalMemory
 from ._rules import Rule
+from ._slices import Slice, SliceBook
 
 __all__ = ["Exemption", "PolicyState", "RateLimitMiddleware", "Refusal", "RefusalFactory"]
 
@@ -269,6 +270,11 @@ class RateLimitMiddleware:
             if refusal_memory > 0 and not dry_run
             else None
         )
+        # Sliced limits' units leased to this host; handed back as the pool closes.
+        self._slices: SliceBook | None = None
+        if any(compiled.sliced for compiled in self._rules):
+            self._slices = SliceBook(clock)
+            pool.before_close(self._return_slices)
 
     def _select(self, scope: Scope, path: str) -> _CompiledRule | None:
         """The first rule selecting a request at ``path`` (the route path; not exempt:
@@ -449,37 +455,11 @@ class RateLimitMiddleware:
         keys, cost, memo = resolved.keys, resolved.cost, resolved.memo
         # Concurrency caps: a slot of each, the client's, taken with the hit.
         slots = [p + client for p in variant.slot_prefixes] if variant.slot_caps else None
-        memory = self._memory if keys else None  # (a rule of caps only: nothing to recall)
-        hit: Hit | PorchError | None = None
-        if memory is None:
-            hit = await self._ask_store(keys, variant, client, cost, slots)
+        hit: Hit | PorchError
+        if variant.sliced:
+            variant, hit = await self._sliced(keys, variant, client, cost, memo)
         else:
-            while True:
-                recalled = memory.recall(memo)
-                if not isinstance(recalled, asyncio.Future):
-                    break
-                await asyncio.shield(recalled)  # another request asks the store right now
-            if recalled is not None and recalled.cost <= cost:
-                # A rate limit refused at a cost no higher than this one: this one would
-                # be too (no slot is asked for).
-                clock = self._clock
-                hit = remembered_hit(recalled, keys, variant, clock.monotonic(), clock.wall())
-            else:
-                refunds = memory.refunds
-                try:
-                    hit = await self._ask_store(keys, variant, client, cost, slots)
-                finally:
-                    # Only a rate limit's refusal (a slot may free at any moment), and not
-                    # one decided while a refund was applied (it may predate it).
-                    if (
-                        isinstance(hit, Hit)
-                        and not hit.allowed
-                        and not all(hit.fits)
-                        and memory.refunds == refunds
-                    ):
-                        memory.remember(memo, hit)
-                    else:
-                        memory.forget_expired(memo)
+            hit = await self._decision(keys, variant, client, cost, slots, memo)
         if not isinstance(hit, Hit):
             await self._failed(hit, scope, receive, send)
             return
@@ -550,6 +530,172 @@ class RateLimitMiddleware:
             # (it raised first, its client left): the estimate charged with the hit stands.
             if pending():
                 await asyncio.shield(asyncio.ensure_future(finish()))
+
+    async def _decision(
+        self,
+        keys: list[str],
+        variant: _CompiledRule,
+        client: str,
+        cost: int,
+        slots: list[str] | None,
+        memo: str,
+    ) -> Hit | PorchError:
+        """The store's decision on a hit of ``variant`` (or a refusal remembered for
+        ``memo``), or the error that kept it from deciding."""
+        memory = self._memory if keys else None  # (a rule of caps only: nothing to recall)
+        if memory is None:
+            return await self._ask_store(keys, variant, client, cost, slots)
+        while True:
+            recalled = memory.recall(memo)
+            if not isinstance(recalled, asyncio.Future):
+                break
+            await asyncio.shield(recalled)  # another request asks the store right now
+        if recalled is not None and recalled.cost <= cost:
+            # A rate limit refused at a cost no higher than this one: this one would
+            # be too (no slot is asked for).
+            clock = self._clock
+            return remembered_hit(recalled, keys, variant, clock.monotonic(), clock.wall())
+        refunds = memory.refunds
+        hit: Hit | PorchError | None = None
+        try:
+            hit = answer = await self._ask_store(keys, variant, client, cost, slots)
+        finally:
+            # Only a rate limit's refusal (a slot may free at any moment), and not
+            # one decided while a refund was applied (it may predate it).
+            if (
+                isinstance(hit, Hit)
+                and not hit.allowed
+                and not all(hit.fits)
+                and memory.refunds == refunds
+            ):
+                memory.remember(memo, hit)
+            else:
+                memory.forget_expired(memo)
+        return answer
+
+    async def _sliced(
+        self, keys: list[str], variant: _CompiledRule, client: str, cost: int, memo: str
+    ) -> tuple[_CompiledRule, Hit | PorchError]:
+        """A hit of a rule with sliced limits: each taken from this host's slice first (a
+        lease when it runs short), then the rest of the rule asked of the store; all or
+        nothing (what was taken is given back if anything refuses). Returns what the
+        decision is told as: the rule, or, refused by a slice, its sliced limits so far."""
+        book = self._slices
+        if book is None:  # pragma: no cover - built with any sliced rule
+            raise PorchError("no slices")
+        limits = variant.limits
+        parts: dict[int, tuple[Slice, bool]] = {}
+        taken: list[tuple[int, Slice, float]] = []
+
+        def lease(key: str, amount: int, window: float, units: int) -> Awaitable[Hit | PorchError]:
+            return self._ask(Hit([key], [amount], [window], cost=units), variant, client)
+
+        def give_back() -> None:
+            for j, found, stamp in taken:
+                book.give(keys[j], found, stamp, cost)
+
+        for j in variant.sliced:
+            limit = limits[j]
+            size = limit.slice or 1
+            outcome = await book.take(keys[j], limit.amount, limit.window, size, cost, lease)
+            if not isinstance(outcome, tuple):
+                give_back()
+                return variant, outcome
+            parts[j] = outcome
+            if not outcome[1]:
+                give_back()
+                kept = tuple(i in parts for i in range(len(limits)))
+                told = variant.subset(kept) or variant
+                return told, self._slice_hit(told, keys, kept, cost, parts, None)
+            taken.append((j, outcome[0], outcome[0].stamp))
+        direct: Hit | None = None
+        kept = tuple(limit.slice is None for limit in limits)
+        rest = variant.subset(kept) if any(kept) else None
+        if rest is not None:
+            answer = await self._decision(
+                [k for k, keep in zip(keys, kept, strict=True) if keep],
+                rest,
+                client,
+                cost,
+                None,
+                memo,
+            )
+            if not isinstance(answer, Hit):
+                give_back()
+                return variant, answer
+            if not answer.allowed:
+                give_back()
+            direct = answer
+        every = (True,) * len(limits)
+        return variant, self._slice_hit(variant, keys, every, cost, parts, direct)
+
+    def _slice_hit(
+        self,
+        told: _CompiledRule,
+        keys: list[str],
+        kept: tuple[bool, ...],
+        cost: int,
+        parts: dict[int, tuple[Slice, bool]],
+        direct: Hit | None,
+    ) -> Hit:
+        """The decision on ``told``'s limits (``kept`` of the rule's), from the slices'
+        ``parts`` and the store's ``direct`` decision on the rest."""
+        now = self._clock.monotonic()
+        hit = told.hit([k for k, keep in zip(keys, kept, strict=True) if keep], cost)
+        fits: list[bool] = []
+        remaining: list[int] = []
+        until: list[float] = []
+        full: list[float] = []
+        retry: list[float] = []
+        stamps: list[float] = []
+        d = 0  # the next of the direct decision's limits
+        for j, keep in enumerate(kept):
+            if not keep:
+                continue
+            part = parts.get(j)
+            if part is not None:
+                found, took = part
+                left = max(0.0, found.until - now)
+                fits.append(took)
+                remaining.append(found.remaining())
+                until.append(left)
+                full.append(left)
+                retry.append(0.0 if took else left)
+                stamps.append(found.stamp)
+            elif direct is not None:
+                fits.append(direct.fits[d])
+                remaining.append(direct.remaining[d])
+                until.append(direct.next[d])
+                full.append(direct.full[d])
+                retry.append(direct.retry[d])
+                stamps.append(direct.stamp[d])
+                d += 1
+        hit.fits = fits
+        hit.allowed = all(fits) and (direct is None or direct.allowed)
+        hit.remaining = remaining
+        hit.next = until
+        hit.full = full
+        hit.retry = retry
+        hit.stamp = stamps
+        hit.wall = direct.wall if direct is not None else self._clock.wall()
+        return hit
+
+    async def _return_slices(self) -> None:
+        """Hand back every unspent unit of this host's slices (the pool is closing)."""
+        book = self._slices
+        if book is None:  # pragma: no cover - registered only with a book
+            return
+        pool = self.pool
+        loop = asyncio.get_running_loop()
+        waiting: list[asyncio.Future[None]] = []
+        for refund in book.drain():
+            key = refund.keys[0]
+            if not pool.apply_now(key, refund):
+                future: asyncio.Future[None] = loop.create_future()
+                pool.submit(key, _SettleCall(future, refund), must_deliver=True)
+                waiting.append(future)
+        if waiting:
+            await asyncio.gather(*waiting)
 
     async def _settle(
         self, hit: Hit, actual: int, client: str, compiled: _CompiledRule, memo: str
@@ -622,8 +768,11 @@ class RateLimitMiddleware:
         slots: list[str] | None = None,
     ) -> Hit | PorchError:
         """The store's decision, or the error that kept it from deciding (logged)."""
+        return await self._ask(compiled.hit(keys, cost, slots), compiled, client)
+
+    async def _ask(self, hit: Hit, compiled: _CompiledRule, client: str) -> Hit | PorchError:
+        """The store's decision on ``hit``, or the error that kept it from deciding (logged)."""
         pool = self.pool
-        hit = compiled.hit(keys, cost, slots)
         if pool.apply_now(client, hit):
             return hit
         try:

@@ -100,6 +100,13 @@ class Limit:
     the middleware's ``key=``), ``"global"`` (everyone together, one counter), or
     a level the rule declares with its own key function (``Rule(levels={"org":
     org_of})``); a limit of another level is named after it (``"global:5-per-60s"``).
+
+    ``slice`` (fixed windows only): a hot limit every request shares (a global or
+    per-tenant cap) is decided on each host from slices of ``slice`` units it
+    leases from the store, one round trip per slice instead of one per batch. It
+    never admits more than ``amount`` per window; it may admit fewer, by at most
+    the units hosts hold unspent when the window ends (under ``slice`` each), and
+    a host that stops returns what it holds. docs/design.md, "Slices".
     """
 
     amount: int
@@ -110,6 +117,8 @@ class Limit:
     """gcra's bucket size; the amount for the other algorithms."""
     level: str
     """Whose counter: ``"client"``, ``"global"``, or a level its rule declares."""
+    slice: int | None
+    """Units a host leases at a time (None: every hit is decided by the store)."""
 
     def __init__(
         self,
@@ -120,6 +129,7 @@ class Limit:
         algorithm: Algorithm | None = None,
         burst: int | None = None,
         level: str = CLIENT,
+        slice: int | None = None,
     ) -> None:
         if isinstance(amount, str):
             if window is not None:
@@ -156,6 +166,18 @@ class Limit:
             raise ConfigurationError(f"limit burst must be an integer >= 1, got {burst!r}")
         if not isinstance(level, str) or not _LEVEL.match(level):
             raise ConfigurationError(f"limit level must be {_LEVEL_RULE}, got {level!r}")
+        if slice is not None:
+            if isinstance(slice, bool) or not isinstance(slice, int) or not 1 <= slice <= amount:
+                raise ConfigurationError(
+                    f"a limit's slice must be an integer from 1 to its amount ({amount}),"
+                    f" got {slice!r}"
+                )
+            if algorithm != "fixed":
+                # A slice is units of one window, charged when leased: a sliding window
+                # or a bucket has no window whose units a host could hold.
+                raise ConfigurationError(
+                    f"a slice applies to fixed-window limits only, got {algorithm!r}"
+                )
         if not name:
             name = _default_name(amount, window, algorithm, burst, level)
         elif not isinstance(name, str) or not _NAME.match(name):
@@ -166,6 +188,7 @@ class Limit:
         object.__setattr__(self, "algorithm", algorithm)
         object.__setattr__(self, "burst", burst)
         object.__setattr__(self, "level", level)
+        object.__setattr__(self, "slice", slice)
 
     def _named_for_plans(self) -> Limit:
         """This limit as a rule with plans counts it: a default name loses its amount, so
@@ -182,6 +205,7 @@ class Limit:
             algorithm=self.algorithm,
             burst=self.burst if self.algorithm == "gcra" else None,
             level=self.level,
+            slice=self.slice,
         )
 
     @staticmethod
@@ -365,6 +389,12 @@ class Plans:
                     " rule, for every plan"
                 )
             found = tuple(limit._named_for_plans() for limit in rates)
+            for limit in found:
+                if limit.slice is not None:
+                    raise ConfigurationError(
+                        f"plan {name!r}: limit {limit.name!r} has a slice; a sliced limit goes"
+                        " on the rule, shared by every plan"
+                    )
             if not found:
                 raise ConfigurationError(f"plan {name!r} needs at least one Limit")
             _unique_names(found, where=f" (plan {name!r})")
@@ -483,6 +513,17 @@ class Rule:
         every = rates + tuple(
             limit for _, found in (plans.plans if plans else ()) for limit in found
         )
+        sliced = [limit.name for limit in rates if limit.slice is not None]
+        if sliced and (settle or plans is not None or concurrency):
+            # A host decides a sliced limit alone; a settle, a plan's other amount or a
+            # slot taken with the hit needs the store to decide every limit together.
+            other = (
+                "settle=True" if settle else "plans" if plans is not None else "a Concurrency cap"
+            )
+            raise ConfigurationError(
+                f"limit {sliced[0]!r} has a slice, which a rule with {other} cannot take"
+                " (without its slice, the store decides it with the rest)"
+            )
         for limit in every:
             if limit.level not in known:
                 raise ConfigurationError(
