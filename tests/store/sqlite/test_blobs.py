@@ -150,6 +150,10 @@ async def test_expired_big_responses_are_reclaimed_from_the_side_file(tmp_path: 
         # Expired and past the orphan grace: the idle writer prunes the rows, the side
         # file's sweep deletes the bodies no row names and gives the pages back.
         clock.advance(2.0 + ORPHAN_GRACE)
+        # Upkeep runs at the writer's first idle moment after a transaction: the one after
+        # the saves may have come before the clock moved (nothing expired then), so a
+        # transaction now makes the next idle moment see them expired.
+        await store.apply([Hit(["nudge"], [1], [60.0])])
         await until(lambda: not named(store.path), "expired rows pruned")
         await until(lambda: blobs(store.path) == 0, "expired bodies reclaimed")
         await until(lambda: file_size(side) < full // 4, "pages given back")
