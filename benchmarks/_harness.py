@@ -44,7 +44,13 @@ class Server:
     """A real uvicorn server (uvloop + httptools) running benchmarks/apps.py."""
 
     def __init__(
-        self, variant: str, data: Path, *, workers: int = 1, env: dict[str, str] | None = None
+        self,
+        variant: str,
+        data: Path,
+        *,
+        workers: int = 1,
+        env: dict[str, str] | None = None,
+        cpu: int | None = 0,
     ) -> None:
         self.port = free_port()
         self.data = data
@@ -56,7 +62,7 @@ class Server:
             **(env or {}),
         }
         cmd = [
-            *pin(0),
+            *(pin(cpu) if cpu is not None else []),  # None: wherever the kernel puts it
             sys.executable,
             "-m",
             "uvicorn",

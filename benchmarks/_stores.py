@@ -7,9 +7,11 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +112,10 @@ class Postgres:
         )  # fmt: skip
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
+    def pid(self) -> int:
+        """The postmaster's pid (every backend is its child)."""
+        return int((self.dir / "data" / "postmaster.pid").read_text().split()[0])
+
     def stop(self) -> None:
         subprocess.run(
             [*self._pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, **self._user
@@ -138,3 +144,47 @@ def store_servers(cases: list[Case]) -> Iterator[dict[str, Any]]:
     finally:
         for server in servers.values():
             server.stop()
+
+
+@dataclass(frozen=True)
+class Running:
+    """Store servers started for a row: the URL ``porch.open_store`` takes (several
+    separated by spaces), the servers' pids (PostgreSQL's postmaster: its backends are
+    its children) and how many servers."""
+
+    url: str
+    pids: list[int]
+    servers: int
+
+
+@contextlib.contextmanager
+def running(kinds: set[str]) -> Iterator[dict[str, Running]]:
+    """Store servers by kind, stopped after: "postgres" and "redis" (one server, Redis
+    without an AOF), "postgres-2" (two PostgreSQL servers: a sharded store) and
+    "redis-cluster" (the test suite's cluster, tests/servers.py: 3 primaries, 3 replicas,
+    no AOF)."""
+    found: dict[str, Running] = {}
+    with contextlib.ExitStack() as stack:
+        for kind in sorted(kinds):
+            if kind in ("postgres", "postgres-2"):
+                servers = [Postgres() for _ in range(2 if kind == "postgres-2" else 1)]
+                for server in servers:
+                    stack.callback(server.stop)
+                found[kind] = Running(
+                    " ".join(server.url for server in servers),
+                    [server.pid() for server in servers],
+                    len(servers),
+                )
+            elif kind == "redis":
+                redis = Redis()
+                stack.callback(redis.stop)
+                found[kind] = Running(redis.url, [redis.proc.pid], 1)
+            elif kind == "redis-cluster":
+                sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                from servers import running_redis_cluster
+
+                cluster = stack.enter_context(running_redis_cluster(primaries=3, replicas=1))
+                found[kind] = Running(cluster.url, [s.pid for s in cluster.servers], 3)
+            else:
+                raise ValueError(f"unknown store servers {kind!r}")
+        yield found

@@ -59,6 +59,8 @@ VARIANTS = (
     "limiter-power",
     "limiter-postgres",
     "limiter-redis",
+    "limiter-cluster",  # (BENCH_STORE_URL: redis+cluster://)
+    "limiter-sharded",  # (BENCH_STORE_URL: two PostgreSQL URLs)
     "limiter-concurrency",
     "limiter-concurrency-postgres",
     "limiter-concurrency-redis",
@@ -79,6 +81,8 @@ LIMITERS = (
     "limiter-power",
     "limiter-postgres",
     "limiter-redis",
+    "limiter-cluster",  # (BENCH_STORE_URL: redis+cluster://)
+    "limiter-sharded",  # (BENCH_STORE_URL: two PostgreSQL URLs)
     "limiter-concurrency",
     "limiter-concurrency-postgres",
     "limiter-concurrency-redis",
@@ -124,6 +128,12 @@ def create() -> Starlette:
     pools: list[KeyPool] = []
 
     def store() -> Store:
+        url = os.environ.get("BENCH_STORE_URL")
+        if url:  # benchmarks/capacity.py: any store porch.open_store opens, by URL(s)
+            from porch import open_store
+
+            urls = url.split()
+            return open_store(urls if len(urls) > 1 else urls[0])
         if variant.endswith("-postgres"):
             from porch.store.postgres import PostgresStore
 

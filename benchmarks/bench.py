@@ -34,7 +34,7 @@ from _harness import (
     machine,
     versions,
 )
-from _stores import Postgres, Redis
+from _stores import Postgres, Redis, Running, running
 from cases import CASES, Case
 
 
@@ -44,9 +44,12 @@ def measure(
     tmp: Path,
     redis: dict[str, Redis],
     postgres: Postgres | None = None,
+    several: dict[str, Running] | None = None,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=tmp))
     env = dict(case.env)
+    if case.servers and several is not None:
+        env["BENCH_STORE_URL"] = several[case.servers].url
     if case.redis:
         env["BENCH_REDIS"] = redis[case.redis].url
     if case.postgres and postgres is not None:
@@ -157,10 +160,13 @@ def main() -> int:
             redis[kind] = Redis(appendfsync=kind)
         if any(c.postgres for c in cases):
             postgres = Postgres()
-        with tempfile.TemporaryDirectory(prefix="porch-bench-") as tmpdir:
+        with (
+            tempfile.TemporaryDirectory(prefix="porch-bench-") as tmpdir,
+            running({c.servers for c in cases if c.servers}) as several,
+        ):
             for round_ in range(args.rounds):
                 for case in cases:
-                    r = measure(case, args, Path(tmpdir), redis, postgres)
+                    r = measure(case, args, Path(tmpdir), redis, postgres, several)
                     runs[case.name].append(r)
                     print(
                         f"round {round_ + 1} {case.name:20} {r['rps']:9.0f} rps  "

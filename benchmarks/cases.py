@@ -40,6 +40,9 @@ class Case:
     workers: int = 1
     redis: str = ""  # "", or the Redis server's appendfsync: "everysec" or "always"
     postgres: bool = False  # a PostgreSQL server on loopback (fsync and synchronous_commit on)
+    # Past one store server, passed by URL (BENCH_STORE_URL): "redis-cluster" (the test
+    # suite's: 3 primaries, 3 replicas) or "postgres-2" (two PostgreSQL servers, sharded).
+    servers: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -114,6 +117,14 @@ CASES = (
         "bare-headers",
         "porch limiter, Redis store (appendfsync everysec)",
         redis="everysec",
+    ),
+    Case(
+        "limiter-cluster",
+        "limiter-cluster",
+        GET,
+        "bare-headers",
+        "porch limiter on a Redis Cluster (3 primaries, 3 replicas, no AOF; loopback)",
+        servers="redis-cluster",
     ),
     Case(
         "limiter-concurrency-redis",
@@ -216,6 +227,14 @@ CASES = (
         "bare-headers",
         "porch limiter on PostgreSQL (loopback, synchronous_commit on)",
         postgres=True,
+    ),
+    Case(
+        "limiter-sharded-postgres",
+        "limiter-sharded",
+        GET,
+        "bare-headers",
+        "porch limiter on two PostgreSQL servers (a sharded store: each key at one home)",
+        servers="postgres-2",
     ),
     Case(
         "limiter-concurrency-postgres",

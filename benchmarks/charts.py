@@ -83,3 +83,46 @@ def charts(report: dict[str, Any], curves: dict[str, Any] | None) -> list[str]:
     plt.close(fig)
     made.append("churn.png")
     return made
+
+
+def capacity_chart(capacity: dict[str, Any]) -> str:
+    """docs/img/capacity.png from benchmarks/capacity.json: decisions/s against app
+    processes per store, and the CPU each side spends per decision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    points = capacity["points"]
+    stores = list(dict.fromkeys(p["store"] for p in points))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in stores:
+        mine = [p for p in points if p["store"] == name]
+        left.plot([p["processes"] for p in mine], [p["rps"] for p in mine], "o-", label=name)
+    left.set_xlabel("app processes")
+    left.set_ylabel("decisions / second (this 2-core box)")
+    left.set_ylim(bottom=0)
+    left.set_title("Decisions per second, every process loaded")
+    left.legend(fontsize=8)
+    app = [median([p["app_cpu_us"] for p in points if p["store"] == n]) for n in stores]
+    served = [median([p["store_cpu_us"] or 0.0 for p in points if p["store"] == n]) for n in stores]
+    ys = range(len(stores))
+    right.barh([y + 0.2 for y in ys], app, height=0.4, label="app processes", color="#4a7")
+    right.barh([y - 0.2 for y in ys], served, height=0.4, label="store servers", color="#a55")
+    right.set_yticks(list(ys), stores)
+    right.invert_yaxis()
+    right.set_xlabel("CPU µs per decision (median over process counts)")
+    right.set_title("Where a decision's CPU goes")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "capacity.png", dpi=110)
+    plt.close(fig)
+    return "capacity.png"
+
+
+def median(values: list[float]) -> float:
+    """The median of ``values`` (not empty)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

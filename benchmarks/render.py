@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from charts import charts
+from charts import capacity_chart, charts, median
 from choices import CHOICES
 from targets import BOUNDS, target_lines
 
@@ -247,6 +247,64 @@ def cpu_text(cpu: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def capacity_text(capacity: dict[str, Any]) -> list[str]:
+    """The capacity model from benchmarks/capacity.json: the measured points, then what one
+    core of each side decides and how many app hosts one store core keeps up with."""
+    points = capacity["points"]
+    lines = [
+        "## Capacity: decisions per app process and per store server",
+        "",
+        f"Made by `{capacity['command'].strip()}` ({_minutes(capacity['seconds'])}, "
+        f"{capacity['duration_s']} s of load per point, {capacity['connections']} connections "
+        "in all, split between the processes). Every request is a new client among a million, "
+        "so each is a decision on a counter of its own; app processes are uvicorn with one "
+        "worker each, unpinned; the CPU is read from /proc for the app processes and for "
+        "every process of the store servers (PostgreSQL's backends, each cluster node). On "
+        "this 2-core box everything shares two cores, so the totals flatten where the box "
+        "saturates; CPU per decision does not depend on the box.",
+        "",
+        "| store | servers | app processes | decisions/s | per process "
+        "| app CPU µs / decision | store CPU µs / decision |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        store_us = "—" if p["store_cpu_us"] is None else f"{p['store_cpu_us']:g}"
+        lines.append(
+            f"| {p['store']} | {p['servers'] or '— (embedded)'} | {p['processes']} "
+            f"| {p['rps']:,.0f} | {p['rps_per_process']:,.0f} | {p['app_cpu_us']:g} "
+            f"| {store_us} |"
+        )
+    lines += [
+        "",
+        "![capacity](img/capacity.png)",
+        "",
+        "Per core, from the CPU per decision (median over the process counts). *One app "
+        "core*: decisions/s one core of app processes makes; *one store core*: decisions/s "
+        "one core of the store's servers makes (a Redis server or cluster node is about one "
+        "core: Redis runs commands on one thread); *hosts per store core*: app hosts at "
+        f"{HOST_RATE:,} decisions/s each that one store core keeps up with.",
+        "",
+        "| store | one app core | one store core | hosts per store core |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in dict.fromkeys(p["store"] for p in points):
+        mine = [p for p in points if p["store"] == name]
+        app_us = median([p["app_cpu_us"] for p in mine])
+        store_values = [p["store_cpu_us"] for p in mine if p["store_cpu_us"]]
+        if store_values:
+            store_us = median(store_values)
+            per_store = f"{1e6 / store_us:,.0f}"
+            hosts = f"{1e6 / store_us / HOST_RATE:,.1f}"
+        else:
+            per_store = hosts = "— (the store is the app process)"
+        lines.append(f"| {name} | {1e6 / app_us:,.0f} | {per_store} | {hosts} |")
+    return [*lines, ""]
+
+
+# The per-host decision rate the capacity table counts hosts at.
+HOST_RATE = 1_000
+
+
 def _load(name: str) -> dict[str, Any] | None:
     path = ROOT / "benchmarks" / name
     return dict(json.loads(path.read_text())) if path.exists() else None
@@ -295,10 +353,11 @@ def main() -> None:
         "# Benchmarks",
         "",
         "Made by `./scripts/bench.sh`, which runs `benchmarks/bench.py` (the table), "
-        "`benchmarks/curves.py` (the curves), `benchmarks/cpu.py` (where the CPU goes) and "
-        "`benchmarks/render.py` (this page, the README's table and the charts); every "
-        "number here comes from `benchmarks/results.json`, `benchmarks/curves.json` and "
-        "`benchmarks/cpu.json`. Servers are real uvicorn processes (uvloop, httptools) "
+        "`benchmarks/curves.py` (the curves), `benchmarks/cpu.py` (where the CPU goes), "
+        "`benchmarks/capacity.py` (the capacity model) and `benchmarks/render.py` (this "
+        "page, the README's table and the charts); every number here comes from "
+        "`benchmarks/results.json`, `benchmarks/curves.json`, `benchmarks/cpu.json` and "
+        "`benchmarks/capacity.json`. Servers are real uvicorn processes (uvloop, httptools) "
         "pinned to CPU 0, wrk runs on CPU 1 (Redis and PostgreSQL too, for their rows); "
         "variants are interleaved round by round and each ratio is taken within a round. "
         "The machine is shared: compare ratios, not req/s across runs.",
@@ -337,6 +396,10 @@ def main() -> None:
         doc += cpu_text(cpu)
     if curves is not None:
         doc += curves_text(curves)
+    capacity = _load("capacity.json")
+    if capacity is not None:
+        doc += capacity_text(capacity)
+        made.append(capacity_chart(capacity))
     doc += ["", CHOICES]
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(doc))
     print("wrote README.md block, docs/benchmarks.md,", ", ".join(f"docs/img/{m}" for m in made))

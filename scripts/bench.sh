@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Re-measure everything in one run and redraw the tables and charts:
 #   ./scripts/bench.sh             # bench.py (every row of results.json), curves.py,
-#                                  # cpu.py, then render.py (README block, docs/benchmarks.md)
+#                                  # cpu.py, capacity.py, then render.py (README block,
+#                                  # docs/benchmarks.md)
 #   ./scripts/bench.sh --rounds 5  # options go to bench.py
 # With the defaults (3 rounds × 5 s of every row) it takes about 25 minutes on 2 cores,
 # more on a busy machine; each script records its own time and docs/benchmarks.md states it.
@@ -23,5 +24,6 @@ SECONDS=0
 python benchmarks/bench.py "$@"
 python benchmarks/curves.py
 python benchmarks/cpu.py
+python benchmarks/capacity.py
 python benchmarks/render.py
 echo "bench.sh: measured and drawn in $((SECONDS / 60)) min $((SECONDS % 60)) s" >&2
