@@ -74,7 +74,7 @@ def open_store(url: str | Sequence[str], **options: Any) -> Store:
     - ``postgresql://…`` / ``postgres://…``: the PostgreSQL store (``porch[postgres]``).
     - ``redis://…`` / ``rediss://…`` / ``unix://…``: the Redis store (``porch[redis]``).
     - ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://…``: the Redis
-      Cluster store (``porch[redis]``).
+      Cluster store (``porch[redis-cluster]``).
     - several URLs (a list; one per server, PostgreSQL or Redis, all of one kind): a
       :class:`ShardedStore` over the store each names, each with ``options``;
       ``previous=[...]``, some of those URLs: the servers there before others were added
@@ -136,7 +136,8 @@ def open_store(url: str | Sequence[str], **options: Any) -> Store:
             from .redis import RedisClusterStore
         except ImportError as exc:
             raise ConfigurationError(
-                f"the Redis Cluster store needs its driver: pip install 'porch[redis]' ({exc})"
+                "the Redis Cluster store needs its driver:"
+                f" pip install 'porch[redis-cluster]' ({exc})"
             ) from exc
         return cast_store(RedisClusterStore(url, **options))
     raise ConfigurationError(

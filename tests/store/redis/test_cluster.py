@@ -7,6 +7,7 @@ What every store must do is proven by the conformance suite (backend
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import threading
 from collections import Counter
 
@@ -55,6 +56,16 @@ def test_a_password_never_shows(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ConfigurationError) as refused:
         RedisClusterStore("redis+cluster://:hunter2@10.0.0.1:7000/5")
     assert "hunter2" not in str(refused.value)
+
+
+def test_a_redis_py_without_sharded_pub_sub_is_refused_when_the_store_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # redis-py 7 has no SSUBSCRIBE in redis.asyncio: the wake-ups would never subscribe
+    # (an open that failed after its timeout). Said at construction, naming the extra.
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "7.4.1")
+    with pytest.raises(ConfigurationError, match=r"redis-py 8.0 or newer .* found 7.4.1"):
+        RedisClusterStore("redis+cluster://10.0.0.1:7000")
 
 
 RULE = "rl\x1fmove\x1f{}\x1fclient-7"  # one rule and level: one tag, one slot

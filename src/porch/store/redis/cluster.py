@@ -45,6 +45,7 @@ import functools
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from importlib import metadata
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -332,6 +333,25 @@ class ClusterSubscription(Subscription):
                 await _close_client(client)
 
 
+# redis.asyncio's PubSub takes SSUBSCRIBE (sharded pub/sub: the wake-ups) from redis-py 8.0.
+_DRIVER_FLOOR = 8
+
+
+def _check_driver() -> None:
+    """A precise ConfigurationError for a redis-py too old for the cluster's wake-ups,
+    not a subscription that never confirms at open."""
+    try:
+        found = metadata.version("redis")
+    except metadata.PackageNotFoundError:
+        return  # RedisStore.__init__ says which extra to install
+    major = found.split(".", 1)[0]
+    if major.isdigit() and int(major) < _DRIVER_FLOOR:
+        raise ConfigurationError(
+            f"the Redis Cluster store needs redis-py {_DRIVER_FLOOR}.0 or newer (sharded"
+            f" pub/sub in redis.asyncio), found {found}: pip install 'porch[redis-cluster]'"
+        )
+
+
 class RedisClusterStore(RedisStore):
     """Counters, stored responses and idempotency claims in a Redis Cluster.
 
@@ -345,6 +365,7 @@ class RedisClusterStore(RedisStore):
 
     def __init__(self, url: str, **options: Any) -> None:
         self._parsed = parse_cluster_url(url)
+        _check_driver()
         self._books = _Books()
         # The clients (by id: the store's, the heartbeat's on its own thread and loop)
         # whose slot map must be read again before their next pipeline.
