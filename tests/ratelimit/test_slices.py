@@ -29,6 +29,9 @@ from porch import (
 )
 from porch._types import ASGIApp, Receive, Scope, Send
 from porch.demo.config import DemoConfig
+from porch.ratelimit._slices import SliceBook
+from porch.store.base import Hit
+from support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -217,3 +220,33 @@ def test_a_slice_the_store_would_have_to_decide_with_the_rest_is_refused(
 ) -> None:
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(")):
         make()  # type: ignore[operator]
+
+
+async def test_a_lease_whose_request_is_cancelled_still_brings_its_units(
+    clock: ManualClock,
+) -> None:
+    # The store charges a lease it decides whatever happens to the request that sent
+    # it: the units must reach the slice, for the next request, not vanish with it.
+    book = SliceBook(clock)
+    gate = asyncio.Event()
+    leases: list[int] = []
+
+    async def lease(key: str, amount: int, window: float, units: int) -> Hit:
+        leases.append(units)
+        await gate.wait()
+        hit = Hit([key], [amount], [window], cost=units)
+        hit.allowed, hit.fits, hit.remaining = True, [True], [amount - units]
+        hit.next = hit.full = hit.retry = [window]
+        hit.stamp, hit.wall = [clock.monotonic()], clock.wall()
+        return hit
+
+    first = asyncio.ensure_future(book.take("g", 10, 60.0, 4, 1, lease))
+    await until(lambda: leases, "the lease sent")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    gate.set()
+    taken = await book.take("g", 10, 60.0, 4, 1, lease)
+    assert isinstance(taken, tuple)
+    assert (taken[1], taken[0].units, leases) == (True, 3, [4])  # no second lease
+    assert [refund.deltas for refund in book.drain()] == [[-3]]

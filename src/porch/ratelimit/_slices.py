@@ -47,11 +47,18 @@ class Slice:
         self.stamp = 0.0  # the store's window the units were charged to (a refund names it)
         self.left = 0  # the units the store had left after this host's last lease
         self.spent = False  # the store had none to lease for this window: refuse until then
-        self.leasing: asyncio.Future[None] | None = None  # a lease in flight, for every taker
+        # The lease in flight, which every taker of the key waits for.
+        self.leasing: asyncio.Future[PorchError | None] | None = None
 
     def remaining(self) -> int:
         """What a client is told is left: the store's, as of the last lease, and this host's."""
         return self.left + self.units
+
+
+def _retrieved(task: asyncio.Future[PorchError | None]) -> None:
+    """A lease whose requester was cancelled: its failure is not left unretrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class SliceBook:
@@ -80,7 +87,7 @@ class SliceBook:
                     self._sweep_at = max(64, 2 * len(self._slices))
                 found = self._slices[key] = Slice(amount, window)
             if found.leasing is not None:
-                await asyncio.shield(found.leasing)
+                await asyncio.wait([found.leasing])  # (its outcome is its leaser's)
                 continue
             if self._clock.monotonic() >= found.until:
                 # The window they were charged to may have ended: units given out now
@@ -92,12 +99,13 @@ class SliceBook:
                 return found, True
             elif found.spent:
                 return found, False
-            leasing = found.leasing = asyncio.get_running_loop().create_future()
-            try:
-                failed = await self._lease(found, key, max(size, cost - found.units), cost, lease)
-            finally:
-                found.leasing = None
-                leasing.set_result(None)
+            leasing = found.leasing = asyncio.ensure_future(
+                self._lease(found, key, max(size, cost - found.units), cost, lease)
+            )
+            leasing.add_done_callback(_retrieved)
+            # Shielded: a lease the store decides is charged, so a request cancelled while
+            # it travels (its client gone) must not drop the units it brings.
+            failed = await asyncio.shield(leasing)
             if failed is not None:
                 return failed
 
@@ -106,6 +114,14 @@ class SliceBook:
     ) -> PorchError | None:
         """Lease ``want`` units for ``found``; at a window's tail, what is left if that still
         covers ``cost``; else mark the window spent."""
+        try:
+            return await self._leasing(found, key, want, cost, lease)
+        finally:
+            found.leasing = None
+
+    async def _leasing(
+        self, found: Slice, key: str, want: int, cost: int, lease: Lease
+    ) -> PorchError | None:
         while True:
             sent = self._clock.monotonic()
             hit = await lease(key, found.amount, found.window, want)
