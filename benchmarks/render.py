@@ -281,24 +281,87 @@ def capacity_text(capacity: dict[str, Any]) -> list[str]:
         "Per core, from the CPU per decision (median over the process counts). *One app "
         "core*: decisions/s one core of app processes makes; *one store core*: decisions/s "
         "one core of the store's servers makes (a Redis server or cluster node is about one "
-        "core: Redis runs commands on one thread); *hosts per store core*: app hosts at "
-        f"{HOST_RATE:,} decisions/s each that one store core keeps up with.",
+        "core: Redis runs commands on one thread); *app cores per store core*: how many app "
+        "cores, each deciding flat out, one store core keeps up with; *hosts per store "
+        f"core*: app hosts at {HOST_RATE:,} decisions/s each.",
         "",
-        "| store | one app core | one store core | hosts per store core |",
-        "|---|---:|---:|---:|",
+        "| store | one app core | one store core | app cores per store core "
+        "| hosts per store core |",
+        "|---|---:|---:|---:|---:|",
     ]
+    per_core = capacity_per_core(points)
+    for name, (app, store) in per_core.items():
+        if store is None:
+            lines.append(f"| {name} | {app:,.0f} | — (in the app process) | — | — |")
+        else:
+            lines.append(
+                f"| {name} | {app:,.0f} | {store:,.0f} | {store / app:.1f} "
+                f"| {store / HOST_RATE:,.1f} |"
+            )
+    lines += ["", "Where each saturates, and what to add next (from the rows above):", ""]
+    lines += next_steps(per_core)
+    return [*lines, ""]
+
+
+def capacity_per_core(points: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
+    """Per store: decisions/s of one app core and of one store core (None: embedded),
+    from the median CPU per decision over its process counts."""
+    found: dict[str, tuple[float, float | None]] = {}
     for name in dict.fromkeys(p["store"] for p in points):
         mine = [p for p in points if p["store"] == name]
-        app_us = median([p["app_cpu_us"] for p in mine])
-        store_values = [p["store_cpu_us"] for p in mine if p["store_cpu_us"]]
-        if store_values:
-            store_us = median(store_values)
-            per_store = f"{1e6 / store_us:,.0f}"
-            hosts = f"{1e6 / store_us / HOST_RATE:,.1f}"
-        else:
-            per_store = hosts = "— (the store is the app process)"
-        lines.append(f"| {name} | {1e6 / app_us:,.0f} | {per_store} | {hosts} |")
-    return [*lines, ""]
+        app = 1e6 / median([p["app_cpu_us"] for p in mine])
+        spent = [p["store_cpu_us"] for p in mine if p["store_cpu_us"]]
+        found[name] = (app, 1e6 / median(spent) if spent else None)
+    return found
+
+
+def next_steps(per_core: dict[str, tuple[float, float | None]]) -> list[str]:
+    """What the capacity rows say to add next, store by store, with their numbers."""
+    lines = []
+    if "sqlite" in per_core:
+        lines.append(
+            f"- **SQLite** decides in the app process: {per_core['sqlite'][0]:,.0f} decisions/s "
+            "per app core, every worker of one host on one file. Its ceiling is that host; "
+            "more hosts need a store server."
+        )
+    for name, what, then in (
+        (
+            "postgres",
+            "One PostgreSQL server",
+            "more cores on that server first (each connection is a process; a batch is one "
+            "function call), then a second server (`--store` twice), each key at one home",
+        ),
+        (
+            "redis",
+            "One Redis server",
+            "a Redis Cluster, whose primaries each take about one core's share of the slots",
+        ),
+        (
+            "redis-cluster",
+            "A Redis Cluster (3 primaries)",
+            "more primaries: the keys spread over the slots, each primary about one core",
+        ),
+        (
+            "postgres-2",
+            "Two PostgreSQL servers",
+            "a third server (about a third of the keys move to it) — note the CPU per "
+            "decision here against one server: a batch splits per home, so each server's "
+            "batches are smaller",
+        ),
+    ):
+        app, store = per_core.get(name, (0.0, None))
+        if store is None:
+            continue
+        lines.append(
+            f"- **{what}**: one store core keeps up with {store / app:.1f} app cores "
+            f"({store:,.0f} decisions/s against {app:,.0f} per app core). Past that: {then}."
+        )
+    lines.append(
+        "- **A hot limit every request shares** (a global cap) is one counter on one "
+        "server whatever the store: `Limit(..., slice=n)` decides it on each host from "
+        'leased units, one round trip per `n` requests (docs/design.md, "Slices").'
+    )
+    return lines
 
 
 # The per-host decision rate the capacity table counts hosts at.
