@@ -335,6 +335,21 @@ def test_trusted_proxy_hop_separates_forwarded_clients(demo: DemoLauncher) -> No
 # -- 2. counters at their limit survive SIGTERM and kill -9 -------------------------------------
 
 
+def test_sigterm_leaves_no_wal_behind(demo: DemoLauncher) -> None:
+    # Catches: a connection left open at shutdown (its WAL and shared-memory files stay
+    # beside the database). Both of the demo's files: porch's and its own orders'.
+    server = demo.start(limit=5, window=60)
+    with client(server) as http:
+        order = http.post(
+            "/orders", json={"item": "tea", "qty": 1}, headers={"Idempotency-Key": "wal-1"}
+        )
+        assert order.status_code == 201, order.text
+    assert server.db_path.with_name("orders.sqlite3-wal").exists()  # (in WAL mode, open)
+    server.terminate()
+    for name in ("porch.sqlite3-wal", "orders.sqlite3-wal"):
+        assert not server.db_path.with_name(name).exists(), server.output()
+
+
 def test_limit_survives_sigterm_restart(demo: DemoLauncher) -> None:
     # Catches: counters kept only in memory, or buffered writes lost at shutdown.
     server = demo.start(limit=5, window=60)

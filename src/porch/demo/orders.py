@@ -93,4 +93,13 @@ class Orders:
         )
 
     def close(self) -> None:
+        """Close the connection on its thread, then the thread: the last connection to
+        close checkpoints the WAL and removes it (a SIGTERM leaves one file, not three)."""
+        self._executor.submit(self._close).result(timeout=10.0)
         self._executor.shutdown(wait=True)
+
+    def _close(self) -> None:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            self._local.conn = None
+            conn.close()
