@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 from porch.pool._shard import Call, Shard
@@ -250,3 +252,21 @@ class HitCall(Call):
         if self.finished is not None:
             self.finished.append(self)
         self.future.set_result(self.hit)
+
+
+def asgi_client(app: Any, peer: str = "10.1.1.1", **headers: str) -> httpx.AsyncClient:
+    """An httpx client calling ``app`` in process, as a connection from ``peer``."""
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers)
+
+
+def sqlite_counters(directory: Path, *, nonzero: bool = False) -> dict[str, int]:
+    """The counts of the SQLite store in ``directory``, by counter key, read from its rows
+    by a connection of our own (``nonzero``: only the counts above 0; none before the
+    store was first opened)."""
+    path = directory / "porch.sqlite3"
+    if nonzero and not path.exists():
+        return {}
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT key, count FROM counters").fetchall()
+    return {key: n for key, n in rows if n or not nonzero}

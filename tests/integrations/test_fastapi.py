@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,8 @@ from porch.integrations.fastapi import (
     limit,
 )
 from porch.ratelimit import CostRequest, settle
+from support import asgi_client
+from support import sqlite_counters as counters
 
 pytestmark = pytest.mark.anyio
 
@@ -28,13 +29,7 @@ PEER = "10.4.4.4"
 
 
 def client(app: Any) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(PEER, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
-
-
-def counters(tmp_path: Path) -> dict[str, int]:
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+    return asgi_client(app, PEER)
 
 
 def by_api_key(scope: Any) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ from starlette.routing import Mount, Route
 from porch import ConfigurationError, KeyPool, RateLimitMiddleware, Rule, SQLiteStore
 from porch.integrations.starlette import RateLimitExceeded, idempotent, install, limit
 from porch.ratelimit import CostRequest, settle
+from support import asgi_client
+from support import sqlite_counters as counters
 
 pytestmark = pytest.mark.anyio
 
@@ -25,13 +26,7 @@ PEER = "10.3.3.3"
 
 
 def client(app: Any, peer: str = PEER) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
-
-
-def counters(tmp_path: Path) -> dict[str, int]:
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+    return asgi_client(app, peer)
 
 
 def follow_app(pool: KeyPool, **starlette: Any) -> tuple[Starlette, list[str]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from porch import KeyPool, RateLimitMiddleware, Rule, SQLiteStore
 from porch._types import Message
 from porch.integrations.starlette import install, limit
 from servers import free_port
+from support import sqlite_counters as counters
 
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.asyncio.client")
@@ -59,11 +59,6 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
         srv.should_exit = True
         await asyncio.wait_for(task, 30)
         await pool.close()
-
-
-def counters(tmp_path: Path) -> dict[str, int]:
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return dict(db.execute("SELECT key, count FROM counters").fetchall())
 
 
 async def test_a_limited_handshake_is_refused_before_accept(server: tuple[str, Path]) -> None:

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from porch import (
@@ -23,8 +22,9 @@ from porch import (
     Rule,
     SQLiteStore,
 )
-from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch._types import Message, Receive, Scope, Send
 from porch.store.base import Hit, Vacate
+from support import asgi_client as client
 from support import until
 
 pytestmark = pytest.mark.anyio
@@ -66,11 +66,6 @@ async def pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
     p = KeyPool(SQLiteStore(tmp_path, clock=clock))
     yield p
     await p.close()
-
-
-def client(app: ASGIApp, peer: str = "10.1.1.1") -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
 
 
 async def in_flight(pool: KeyPool, key: str) -> int:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from porch._responses import BytesResponse
 from porch._types import ASGIApp, Message, Receive, Scope, Send
 from porch.store.base import Capabilities, Claims, Hit, StoreOp, StoreStatistics
 from support import NoClaims, until
+from support import asgi_client as client
 
 pytestmark = pytest.mark.anyio
 
@@ -34,23 +35,6 @@ WALL = 1_700_000_000.0
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [(b"x-app", b"1")]})
     await send({"type": "http.response.body", "body": b"hello"})
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(monotonic=500.0, wall=WALL)
-
-
-@pytest.fixture
-async def pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path, clock=clock), size=2)
-    yield p
-    await p.close()
-
-
-def client(app: ASGIApp, peer: str = "10.1.1.1") -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
 
 
 async def test_headers_count_down_then_429_with_problem_body(pool: KeyPool) -> None:

@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from porch import (
@@ -29,38 +26,19 @@ from porch import (
     Plans,
     RateLimitMiddleware,
     Rule,
-    SQLiteStore,
 )
-from porch._types import ASGIApp, Message, Receive, Scope, Send
+from porch._types import Message, Receive, Scope, Send
 from porch.ratelimit import CostRequest, settle
+from support import asgi_client as client
+from support import sqlite_counters
 
 pytestmark = pytest.mark.anyio
 
 US = "\x1f"
 
 
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(monotonic=500.0, wall=1_700_000_000.0)
-
-
-@pytest.fixture
-async def pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path, clock=clock), size=2)
-    yield p
-    await p.close()
-
-
 def counters(tmp_path: Path) -> dict[str, int]:
-    if not (tmp_path / "porch.sqlite3").exists():
-        return {}  # never opened: nothing was counted
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return {k: n for k, n in db.execute("SELECT key, count FROM counters") if n}
-
-
-def client(app: ASGIApp, peer: str = "10.1.1.1", **headers: str) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers)
+    return sqlite_counters(tmp_path, nonzero=True)
 
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:

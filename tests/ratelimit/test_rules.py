@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import pytest
 from porch import ConfigurationError, KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
 from porch._types import ASGIApp, Receive, Scope, Send
 from porch.ratelimit._rules import RATE_GRAMMAR
+from support import asgi_client
+from support import sqlite_counters as counters
 
 pytestmark = pytest.mark.anyio
 
@@ -22,13 +23,7 @@ async def ok(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def client(app: ASGIApp) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=("10.2.2.2", 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
-
-
-def counters(tmp_path: Path) -> dict[str, int]:
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return dict(db.execute("SELECT key, count FROM counters").fetchall())
+    return asgi_client(app, "10.2.2.2")
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,8 @@ tests/e2e/test_gate_hosts.py.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from porch import (
@@ -25,13 +22,13 @@ from porch import (
     Plans,
     RateLimitMiddleware,
     Rule,
-    SQLiteStore,
 )
-from porch._types import ASGIApp, Receive, Scope, Send
+from porch._types import Receive, Scope, Send
 from porch.demo.config import DemoConfig
 from porch.ratelimit._slices import SliceBook
 from porch.store.base import Hit
-from support import until
+from support import asgi_client as client
+from support import sqlite_counters, until
 
 pytestmark = pytest.mark.anyio
 
@@ -39,26 +36,8 @@ US = "\x1f"
 GLOBAL_KEY = f"rl{US}default{US}g{US}"
 
 
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(monotonic=500.0, wall=1_700_000_000.0)
-
-
-@pytest.fixture
-async def pool(tmp_path: Path, clock: ManualClock) -> AsyncIterator[KeyPool]:
-    p = KeyPool(SQLiteStore(tmp_path, clock=clock), size=2)
-    yield p
-    await p.close()
-
-
 def counters(tmp_path: Path) -> dict[str, int]:
-    with sqlite3.connect(tmp_path / "porch.sqlite3") as db:
-        return {k: n for k, n in db.execute("SELECT key, count FROM counters") if n}
-
-
-def client(app: ASGIApp, peer: str = "10.1.1.1") -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
+    return sqlite_counters(tmp_path, nonzero=True)
 
 
 async def ok(scope: Scope, receive: Receive, send: Send) -> None:
