@@ -362,3 +362,45 @@ def test_a_wsgi_app_settles_its_reservation_in_the_environ(tmp_path: Path) -> No
     assert (first.status_code, first.json()) == (200, {"tokens": 3})
     assert (second.status_code, second.json()) == (200, {"tokens": 1})  # 3 + 97 <= 100
     assert third.status_code == 429  # 3 + 1 + 97 > 100
+
+
+def test_a_loop_thread_that_cannot_start_is_a_503_not_a_blocked_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The loop thread held before it runs (a worker starved of CPU): the request waits at
+    # most the start deadline, then gets a 503; once the thread can run, the next works.
+    from porch.integrations.wsgi import _loop
+
+    held = threading.Event()
+    real = _loop._run
+
+    def starved(loop: Any, ready: threading.Event) -> None:
+        held.wait(30)
+        real(loop, ready)
+
+    monkeypatch.setattr(_loop, "_START_TIMEOUT", 0.2)
+    monkeypatch.setattr(_loop, "_run", starved)
+    app = App()
+    pool = KeyPool(SQLiteStore(tmp_path))
+    guarded = WSGIMiddleware(app, pool=pool, wrap=lambda inner: inner)
+
+    def call() -> tuple[str, bytes]:
+        environ: dict[str, Any] = {"PATH_INFO": "/echo", "REQUEST_METHOD": "GET"}
+        setup_testing_defaults(environ)
+        status: list[str] = []
+        body = b"".join(guarded(environ, functools.partial(_record, status)))
+        return status[0], body
+
+    status, body = call()
+    assert status == "503 Service Unavailable"
+    assert json.loads(body)["detail"] == "porch's event loop thread did not start within 0.2 s"
+    assert "did not start within 0.2 s; answering 503" in caplog.text
+    assert app.runs == 0
+    held.set()  # the starved thread runs now, sees its stop, and ends
+    monkeypatch.setattr(_loop, "_run", real)
+    try:
+        status, _ = call()
+        assert status.startswith("201")
+        assert app.runs == 1
+    finally:
+        guarded.close()

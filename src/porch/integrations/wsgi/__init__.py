@@ -20,16 +20,21 @@ the pool lives on this middleware's loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..._responses import problem
 from ..._types import ASGIApp
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, PoolClosedError
 from ...pool._pool import KeyPool
+from ._environ import status_line
 from ._exchange import Exchange, StartResponse, WSGIApp, wsgi_app
 from ._loop import BackgroundLoop
 
 __all__ = ["WSGIApp", "WSGIMiddleware"]
+
+logger = logging.getLogger("porch.integrations.wsgi")
 
 
 class WSGIMiddleware:
@@ -68,5 +73,15 @@ class WSGIMiddleware:
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if not self.enabled:
             return self.app(environ, start_response)
+        try:
+            loop = self._loop.get()
+        except PoolClosedError as exc:
+            logger.error("porch: %s; answering 503", exc)
+            answer = problem(503, str(exc), cause="unavailable", headers=[(b"retry-after", b"1")])
+            start_response(
+                status_line(503),
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in answer.headers],
+            )
+            return [answer.body]
         exchange = Exchange(self.app, self._asgi, environ, start_response)
-        return exchange.run(self._loop.get())
+        return exchange.run(loop)

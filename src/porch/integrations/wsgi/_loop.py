@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 
+from ...errors import PoolClosedError
 from ...pool._pool import KeyPool
 
 __all__ = ["BackgroundLoop"]
@@ -21,6 +22,9 @@ logger = logging.getLogger("porch.integrations.wsgi")
 
 # Stopping at exit is bounded: a wedged store must not hold the worker's exit forever.
 _STOP_TIMEOUT = 10.0
+# So is starting: a loop thread that gets no CPU for this long fails the request (503),
+# not a worker thread blocked without end.
+_START_TIMEOUT = 10.0
 
 
 class BackgroundLoop:
@@ -37,6 +41,8 @@ class BackgroundLoop:
         self._registered = False
 
     def get(self) -> asyncio.AbstractEventLoop:
+        """The loop, started at the first call in this process; PoolClosedError if its
+        thread did not start in time."""
         loop = self._loop
         if loop is not None and self._pid == os.getpid():
             return loop
@@ -50,7 +56,13 @@ class BackgroundLoop:
                 target=_run, args=(loop, ready), name="porch-wsgi-loop", daemon=True
             )
             thread.start()
-            ready.wait()
+            if not ready.wait(_START_TIMEOUT):
+                # It stops (and closes its loop) whenever it does start; the next request
+                # starts another.
+                loop.call_soon_threadsafe(loop.stop)
+                raise PoolClosedError(
+                    f"porch's event loop thread did not start within {_START_TIMEOUT:g} s"
+                )
             self._loop, self._thread, self._pid = loop, thread, os.getpid()
             if not self._registered:
                 atexit.register(self.stop)
