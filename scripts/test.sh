@@ -45,7 +45,8 @@ if [ $# -eq 0 ] || [ "$*" = "-q" ]; then
     # The whole suite: with coverage (every process it starts), then the integrations on
     # the oldest supported frameworks.
     rm -rf .coverage && mkdir .coverage
-    python -m coverage run -m pytest "$@"
+    # The 25 slowest tests, listed at the end: where the suite's time goes.
+    python -m coverage run -m pytest --durations=25 "$@"
     python -m coverage combine -q
     echo "== coverage of src/porch (lines and branches; python -m coverage report for each file)" >&2
     python -m coverage report --format=total | sed 's/$/%/'
