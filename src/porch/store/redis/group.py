@@ -38,32 +38,41 @@ class GroupPipeline:
         if len(self._senders) < self._limit:
             task = loop.create_task(self._drain(), name="porch-redis-pipeline")
             self._senders.add(task)
-            task.add_done_callback(self._senders.discard)
+            task.add_done_callback(self._senders.discard)  # also if cancelled unstarted
         return await future
 
     async def _drain(self) -> None:
-        while self._queue:
-            jobs, self._queue = self._queue, []
-            try:
-                results = await self._send([c for commands, _ in jobs for c in commands])
-            except StoreError as exc:
-                # The server is away or too slow: batches queued meanwhile would only
-                # wait out another timeout, so they fail now too.
-                jobs += self._queue
-                self._queue = []
-                for _, future in jobs:
+        try:
+            while self._queue:
+                jobs, self._queue = self._queue, []
+                try:
+                    results = await self._send([c for commands, _ in jobs for c in commands])
+                except StoreError as exc:
+                    # The server is away or too slow: batches queued meanwhile would only
+                    # wait out another timeout, so they fail now too.
+                    jobs += self._queue
+                    self._queue = []
+                    for _, future in jobs:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                except BaseException as exc:
+                    for _, future in jobs:
+                        if not future.done():
+                            future.set_exception(StoreError(repr(exc)))
+                    raise
+                self.pipelines += 1
+                start = 0
+                for commands, future in jobs:
+                    end = start + len(commands)
                     if not future.done():
-                        future.set_exception(exc)
-                continue
-            except BaseException as exc:
-                for _, future in jobs:
-                    if not future.done():
-                        future.set_exception(StoreError(repr(exc)))
-                raise
-            self.pipelines += 1
-            start = 0
-            for commands, future in jobs:
-                end = start + len(commands)
-                if not future.done():
-                    future.set_result(results[start:end])
-                start = end
+                        future.set_result(results[start:end])
+                    start = end
+        finally:
+            # Out of the count as soon as the queue is found empty (no await in between).
+            # Its done-callback comes a loop step later: a batch queued in that step (the
+            # continuation of a caller just answered) found every sender counted, none
+            # left to send it, and waited for ever.
+            task = asyncio.current_task()
+            if task is not None:
+                self._senders.discard(task)
