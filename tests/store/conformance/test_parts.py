@@ -132,7 +132,7 @@ async def test_a_body_its_owner_left_mid_stream_is_never_replayed_and_goes(
     store = await backend.store(**grace(backend, 1.0))
     # One home for both bodies (a new body's writer sweeps its own store's expired ones).
     key, fresh = backend.together(store, "pc:k", "pc:new", counter=False)
-    holder = await backend.holder(key, **grace(backend, 1.0), **backend.lease(0.5))
+    holder = await backend.holder(key, **grace(backend, 1.0), **backend.lease(1.0))
     assert holder.token > 0
     assert await holder.send("part 77 0 1000") == {"written": True}
     assert await holder.send("part 77 1 1000") == {"written": True}

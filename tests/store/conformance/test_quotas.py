@@ -103,13 +103,13 @@ async def test_a_dead_holders_reservation_is_reclaimed(backend: Backend) -> None
     quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=150)
     reserving = {"scope": "s", "client": "c", "reserve": 100, "quota": [10_000, 10_000, 150]}
     holder = await backend.holder(
-        "dead", env={"PORCH_HOLDER_CLAIM": json.dumps(reserving)}, **backend.lease(0.5)
-    )
+        "dead", env={"PORCH_HOLDER_CLAIM": json.dumps(reserving)}, **backend.lease(2.0)
+    )  # long enough that a loaded machine's late renewal never lapses it while it lives
     assert holder.token > 0
     store = await backend.store()
     refused = await claim(store, "next", scope="s", client="c", quota=quota, reserve=100)
     assert refused.over == "client"  # the live holder's 100 + 100 > 150
     await holder.kill()
-    await backend.elapse(1.0)  # past its lease, where claims have one
+    await backend.elapse(2.5)  # past its lease, where claims have one
     taken = await claim(store, "next", scope="s", client="c", quota=quota, reserve=100)
     assert (taken.over, taken.token > 0) == (None, True)
