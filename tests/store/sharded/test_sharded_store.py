@@ -95,7 +95,7 @@ async def test_each_key_lives_on_one_server_and_both_hold_some(servers: Servers)
     store = await servers.open(ShardedStore([a, b]))
     clients = [f"client:{i}" for i in range(200)]
     hits = [Hit(limit_keys(c), [5, 50], [60.0, 3600.0]) for c in clients]
-    saves = [Save(f"cred:{i}{US}order-{i}", RESPONSE, 60.0) for i in range(60)]
+    saves = [Save(f"cred:{i}{US}order-{i}", RESPONSE, 60.0) for i in range(600)]
     await store.apply([*hits, *saves])
     assert all(h.allowed for h in hits)
     assert all(s.outcome == "saved" for s in saves)
@@ -103,7 +103,12 @@ async def test_each_key_lives_on_one_server_and_both_hold_some(servers: Servers)
     records = [await servers.rows(a, "records"), await servers.rows(b, "records")]
     assert not counters[0] & counters[1]
     assert not records[0] & records[1]
-    assert all(len(found) > 20 for found in (*counters, *records))
+    # Each server holds at least a quarter of the clients and of the callers. Which one
+    # is a key's home hangs on the servers' random secrets, so the split is a coin
+    # flipped per client: with 60 callers "more than 20 each" failed about one run in
+    # 75 (seen once, under load); a quarter of 200 and of 600 fails one run in 10^12.
+    assert min(map(len, counters)) >= len(clients) // 2  # (two rows a client)
+    assert min(map(len, records)) >= len(saves) // 4
     for client in clients:
         # A rule's limits for one client: one home, the one the store names.
         home = store.home(limit_keys(client)[0])
