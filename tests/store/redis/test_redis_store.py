@@ -212,3 +212,32 @@ def aof_buffered(server: RedisServer) -> int:
         if line.startswith("aof_buffer_length:"):
             return int(line.split(":", 1)[1])
     raise AssertionError(f"no aof_buffer_length in INFO persistence: {info!r}")
+
+
+async def test_a_holder_whose_lease_lapsed_with_nobody_taking_the_key_still_saves(
+    store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    """A heartbeat late past the lease (a loaded machine), and no other claim meanwhile:
+    the holder still owns the key and its save is stored, so a duplicate replays it. The
+    record outlives its lease; it was gone with it, that save was fenced and the next
+    duplicate ran the handler again (seen in a loaded run of the two-host webhook gate).
+    Another claim taken during the lapse still fences the late holder."""
+    response = StoredResponse(b"d", 200, (), b"once")
+    lease_ms = int(store.lease * 1000)
+    late, taken = Claim("s\x1flate"), Claim("s\x1ftaken")
+    await store.apply([late, taken])
+    for claim in (late, taken):
+        record = store.names.record(claim.key)
+        assert await client.pttl(record) > lease_ms  # kept past its lease
+        # The lease lapsed with no renewal: its end in the server's past.
+        await client.hset(record, "l", 0)  # type: ignore[misc,unused-ignore]
+    rival = Claim(taken.key)
+    await store.apply([rival])
+    assert rival.token > taken.token
+    late_save = Save(late.key, response, 60, token=late.token)
+    fenced_save = Save(taken.key, response, 60, token=taken.token)
+    await store.apply([late_save, fenced_save])
+    assert (late_save.outcome, fenced_save.outcome) == ("saved", "fenced")
+    duplicate = Claim(late.key)
+    await store.apply([duplicate])
+    assert duplicate.stored == response

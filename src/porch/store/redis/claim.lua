@@ -37,10 +37,13 @@ if reserve > 0 then
   end
 end
 -- Fence tokens: above the last one issued, and above the server's time in
--- microseconds, so they keep rising after the record expired (a lapsed claim's
--- record goes with its lease).
+-- microseconds, so they keep rising after the record expired.
 local token = math.max(tonumber(v[7] or '0') + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
 local tok = string.format('%.0f', token)
 redis.call('HSET', rec, 'o', tok, 'l', now + lease, 't', tok)
-redis.call('PEXPIRE', rec, lease)
+-- The record outlives its lease: a holder whose heartbeat came late, with
+-- nobody taking the key meanwhile, still owns it and saves (a record gone with its lease
+-- fenced that save, and the next duplicate ran the handler again). Whether a claim is
+-- live is its lease end, 'l', never whether the record exists.
+redis.call('PEXPIRE', rec, math.max(2 * lease, 60000))
 return {2, tok}

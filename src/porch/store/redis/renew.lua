@@ -8,6 +8,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'l', now + lease)
 if redis.call('HEXISTS', KEYS[1], 'd') == 0 then
-  redis.call('PEXPIRE', KEYS[1], lease)
+  -- Past the lease, as claim.lua keeps it: a late renewal nobody preempted still holds.
+  redis.call('PEXPIRE', KEYS[1], math.max(2 * lease, 60000))
 end
 return 1

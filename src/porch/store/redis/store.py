@@ -12,7 +12,8 @@ one pipeline, from a thread with a client of its own (see
 :mod:`porch.store._leases`: a blocked event loop does not stop it); close()
 releases them. A holder that dies (or freezes, or loses its network) stops
 renewing, so its key is free ``lease`` seconds later at most, and its late
-Save is refused (fenced) once another owner took the key.
+Save is refused (fenced) once another owner took the key. A claim's record outlives
+its lease: a holder renewing late, with nobody taking the key meanwhile, still saves.
 """
 
 from __future__ import annotations
