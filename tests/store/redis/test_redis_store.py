@@ -230,7 +230,7 @@ async def test_a_holder_whose_lease_lapsed_with_nobody_taking_the_key_still_save
         record = store.names.record(claim.key)
         assert await client.pttl(record) > lease_ms  # kept past its lease
         # The lease lapsed with no renewal: its end in the server's past.
-        await client.hset(record, "l", 0)  # type: ignore[misc,unused-ignore]
+        await client.hset(record, "l", 0)
     rival = Claim(taken.key)
     await store.apply([rival])
     assert rival.token > taken.token
