@@ -195,6 +195,66 @@ async def test_an_app_that_fails_mid_stream_stores_nothing(tmp_path: Path) -> No
     assert app.runs == 2
 
 
+class ThroughParts:
+    """The store's real PartStore, every call passed through (subclasses step in)."""
+
+    def __init__(self, inner: PartStore) -> None:
+        self.inner = inner
+        self.part_bytes = inner.part_bytes
+
+    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
+        await self.inner.write(key, body, index, data)
+
+    async def keep(self, key: str, parts: Parts, ttl: float) -> None:
+        await self.inner.keep(key, parts, ttl)
+
+    async def read(self, key: str, parts: Parts, index: int) -> bytes | None:
+        return await self.inner.read(key, parts, index)
+
+    def drop(self, key: str, body: int) -> None:
+        self.inner.drop(key, body)
+
+
+class HeldParts(ThroughParts):
+    """Part ``index``'s write waits for ``gate`` (``written`` once it is done)."""
+
+    def __init__(self, inner: PartStore, index: int) -> None:
+        super().__init__(inner)
+        self.index = index
+        self.gate = asyncio.Event()
+        self.holding = False
+        self.written = False
+
+    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
+        if index == self.index:
+            self.holding = True
+            await asyncio.wait_for(self.gate.wait(), 30)
+        await self.inner.write(key, body, index, data)
+        self.written = self.written or index == self.index
+
+
+async def test_a_part_still_being_written_when_the_app_fails_goes_with_the_others(
+    tmp_path: Path,
+) -> None:
+    # The app fails while part 1 is on its way to the store: the drop must not overtake
+    # it (it did, and the part stayed for its grace, ten minutes).
+    store = SQLiteStore(tmp_path)
+    parts = store.capabilities.parts
+    assert parts is not None
+    held = HeldParts(parts, index=1)
+    store.capabilities = replace(store.capabilities, parts=held)
+    app = Exporter(fail_after=2 * MIB + CHUNK)  # just after part 1's write started
+    async with KeyPool(store) as pool, client(middleware(app, pool)) as c:
+        with pytest.raises(RuntimeError, match="the export failed"):
+            await c.post("/export", headers=KEY)
+        await until(lambda: held.holding, "part 1's write reached the store")
+        await spin()  # what the drop does meanwhile
+        held.gate.set()
+        await until(lambda: held.written, "part 1 written")
+        await until(lambda: side(store, "SELECT count(*) FROM parts") == [(0,)], "parts dropped")
+        assert rows(store) == []
+
+
 async def test_a_signed_body_in_parts_is_checked_whole_before_its_first_byte(
     tmp_path: Path,
 ) -> None:
@@ -223,21 +283,14 @@ async def test_a_signed_body_in_parts_is_checked_whole_before_its_first_byte(
     assert app.runs == 2
 
 
-class TamperingParts:
-    """The store's real PartStore; the second time part 0 is read, another writer (a real
-    connection to the side file) changes part 1: between a replay's check and its send."""
+class TamperingParts(ThroughParts):
+    """The second time part 0 is read, another writer (a real connection to the side
+    file) changes part 1: between a replay's check and its send."""
 
     def __init__(self, store: SQLiteStore, inner: PartStore) -> None:
+        super().__init__(inner)
         self.store = store
-        self.inner = inner
-        self.part_bytes = inner.part_bytes
         self.first_reads = 0
-
-    async def write(self, key: str, body: int, index: int, data: bytes) -> None:
-        await self.inner.write(key, body, index, data)
-
-    async def keep(self, key: str, parts: Parts, ttl: float) -> None:
-        await self.inner.keep(key, parts, ttl)
 
     async def read(self, key: str, parts: Parts, index: int) -> bytes | None:
         if index == 0:
@@ -246,9 +299,6 @@ class TamperingParts:
                 with sqlite3.connect(blob_path(self.store.path)) as conn:
                     conn.execute("UPDATE parts SET body = zeroblob(length(body)) WHERE seq = 1")
         return await self.inner.read(key, parts, index)
-
-    def drop(self, key: str, body: int) -> None:
-        self.inner.drop(key, body)
 
 
 @contextlib.asynccontextmanager

@@ -323,13 +323,25 @@ class Capture:
 
     def _drop_parts(self) -> None:
         writing, self.writing = self.writing, None
-        if writing is not None:
-            # Left to finish (a part written after the drop is an orphan: its grace
-            # takes it); its outcome is nobody's.
-            writing.add_done_callback(_retrieve)
-        if self.body and self.parts is not None:
-            self.parts.drop(self.key, self.body)
-        self.body = 0
+        body, self.body = self.body, 0
+        parts, key = self.parts, self.key
+        if not body or parts is None:
+            if writing is not None:
+                writing.add_done_callback(_retrieve)
+            return
+        if writing is None:
+            parts.drop(key, body)
+            return
+
+        # The part being written is left to finish, its outcome nobody's. The drop waits
+        # for it: the write reaches the store a loop step after it was started (and a
+        # network store may run it on another connection), so a drop sent now could land
+        # first and leave that part behind until its grace (PART_GRACE) is over.
+        def drop(written: asyncio.Future[None]) -> None:
+            _retrieve(written)
+            parts.drop(key, body)
+
+        writing.add_done_callback(drop)
 
     def _not_stored(self, exc: BaseException) -> None:
         # The handler's work is done: deliver the response, but say loudly that a retry

@@ -473,7 +473,9 @@ class PartStore(Protocol):
 
     def drop(self, key: str, body: int) -> None:
         """Delete the parts of a body no record names (its Save was fenced or over quota,
-        its response not stored): soon, in the background, errors logged."""
+        its response not stored): soon, in the background, errors logged. The parts
+        written before it, that is: a caller drops only once every write of the body
+        it started has returned (or failed)."""
         ...
 
 
