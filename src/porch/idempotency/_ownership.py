@@ -464,8 +464,9 @@ class Complete(Call):
     def _failed(self, shard: Shard | None, exc: BaseException) -> None:
         super().fail(shard, exc)
         if shard is not None:
-            # Not stored (the store ended the claim with the failed transaction): the
-            # waiters claim again, and get the store's answer then.
+            # Not stored (SQLite ended the claim with the failed transaction; a lease
+            # store renews it no more, so it lapses): the waiters claim again, and get
+            # the store's answer then.
             state = cast("_InFlight | None", shard.parked.get(self.op.key))
             if state is not None and state.token == self.op.token:
                 state.reclaim()

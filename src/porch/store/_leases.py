@@ -34,10 +34,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-__all__ = ["CLAIM", "RENEWALS_PER_LEASE", "SLOT", "Heartbeat", "HeldLeases", "Lease", "Renewer"]
+from .base import Claim, Hit, Release, Save, Vacate
+
+__all__ = [
+    "CLAIM",
+    "RENEWALS_PER_LEASE",
+    "SLOT",
+    "Heartbeat",
+    "HeldLeases",
+    "Lease",
+    "Renewer",
+    "let_lapse",
+]
 
 #: The kind of an idempotency claim's lease.
 CLAIM = "claim"
@@ -99,6 +110,24 @@ class HeldLeases:
 
     def __len__(self) -> int:
         return len(self._leases)
+
+
+def let_lapse(held: HeldLeases, ops: Iterable[object]) -> None:
+    """Renew no more the leases ``ops`` took or were ending: their batch failed (or their
+    caller gave up on it), so nobody will end them, and each lapses within ``lease``.
+
+    A failed transaction on SQLite ends its claims with it; this is the same for a lease
+    store. Without it, an owner whose Save or Release failed kept its claim renewed for
+    as long as its process lived (every retry on every host waited, then 409), and a
+    failed Vacate kept its slot. A Save whose reply was lost but which committed loses
+    nothing: its claim had ended with it."""
+    for op in ops:
+        if isinstance(op, (Claim, Save, Release)):
+            if op.token:
+                held.end(CLAIM, op.key, op.token)
+        elif isinstance(op, (Hit, Vacate)) and op.token and op.slots:
+            for key in op.slots:
+                held.end(SLOT, key, op.token)
 
 
 class Renewer(Protocol):

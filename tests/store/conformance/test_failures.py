@@ -19,7 +19,7 @@ from typing import TypeVar
 import pytest
 
 from porch.errors import StoreError
-from porch.store.base import Claim, Hit, Release, Settle, Store
+from porch.store.base import Claim, Hit, Release, Settle, Store, Vacate
 from servers import PostgresServer, RedisServer, running_postgres, running_redis
 from support import used
 
@@ -198,3 +198,38 @@ async def applied(store: Store, make: Callable[[], Op]) -> Op:
             if time.monotonic() - started > BACK_WITHIN:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def test_what_a_failed_batch_was_ending_lapses_with_its_lease(backend: Backend) -> None:
+    """A Release (or Save) and a Vacate whose batch failed are not lost for good: the
+    holder stops renewing what they were ending, so the claim and the slot lapse within
+    their lease, as SQLite's rollback ends them. (They were renewed for as long as the
+    process lived: every retry of that key waited, then 409; the cap stayed one lower.)"""
+    with own_server(backend) as server:
+        on = backend.on(server.url)
+        try:
+            holder, other = await on.store(lease=1.0), await on.store(lease=1.0)
+            mine = Claim("fb")
+            slot = Hit([], [], [], slots=["fb:slot"], caps=[1])
+            await holder.apply([mine, slot])
+            assert mine.token
+            assert slot.allowed
+            server.stop()
+            with pytest.raises(StoreError):
+                await asyncio.wait_for(holder.apply([Release("fb", mine.token)]), 30.0)
+            with pytest.raises(StoreError):
+                await asyncio.wait_for(holder.apply([Vacate.of(slot)]), 30.0)
+            server.start()
+            assert await served_again(holder) < BACK_WITHIN
+            # Nobody ends them now; the other store gets both once their lease is over.
+            started = time.monotonic()
+            while True:
+                claim = await applied(other, lambda: Claim("fb"))
+                again = Hit([], [], [], slots=["fb:slot"], caps=[1])
+                await other.apply([again])
+                if claim.token and again.allowed:
+                    break
+                assert time.monotonic() - started < 10.0, "still held by a failed batch's owner"
+                await asyncio.sleep(0.2)
+        finally:
+            await on.close()

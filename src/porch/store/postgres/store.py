@@ -41,14 +41,13 @@ from urllib.parse import parse_qs, urlsplit
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import CLAIM, SLOT, Heartbeat, HeldLeases, Lease
+from .._leases import CLAIM, Heartbeat, HeldLeases, Lease, let_lapse
 from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import (
     ALGORITHMS,
     PART_GRACE,
     Capabilities,
-    Claim,
     Hit,
     Settle,
     StoreOp,
@@ -403,6 +402,9 @@ class PostgresStore:
                         break
                     jobs.append(more)
                 live = [j for j in jobs if not j[1].done()]
+                for ops, future in jobs:
+                    if future.done():  # its caller gave up before it ran: never sent
+                        let_lapse(self._held, ops)
                 if live:
                     conn = await self._run(conn, live)
                 if stopping:
@@ -438,7 +440,7 @@ class PostgresStore:
                 fill_from_rows(sent, alike, rows, self._held, wall)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
-                    self._forget(job_ops)
+                    let_lapse(self._held, job_ops)
             self._transactions += 1
             self._operations += len(ops)
         except StoreError as exc:
@@ -452,7 +454,7 @@ class PostgresStore:
         if error is not None:
             self._failures += 1
             logger.error("porch: PostgreSQL batch failed: %s", error)
-            self._forget(ops)  # slots a first call took: nobody will vacate them
+            let_lapse(self._held, ops)  # nobody will end what it took or was ending
             if conn is not None:
                 conn.terminate()  # its state is unknown: the next batch reconnects
             conn = None
@@ -468,16 +470,6 @@ class PostgresStore:
         self, ops: list[Op], alike: dict[int, list[Hit]], now: float | None = None
     ) -> list[Any]:
         return arguments(ops, alike, self.lease, self.prune_batch, self.channel, now)
-
-    def _forget(self, ops: Sequence[Op]) -> None:
-        """Stop renewing claims and slots taken for a caller that timed out (or whose
-        batch failed after its slots were taken): their leases lapse."""
-        for op in ops:
-            if type(op) is Claim and op.token:
-                self._held.end(CLAIM, op.key, op.token)
-            elif type(op) is Hit and op.token and op.slots:
-                for key in op.slots:
-                    self._held.end(SLOT, key, op.token)
 
     async def _run_slots(
         self, conn: Any, ops: list[Op], now: float | None, wall: float | None

@@ -51,7 +51,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ..._tasks import stop_if_cancelled
 from ...errors import ConfigurationError, StoreError
-from .._leases import CLAIM, Lease, Renewer
+from .._leases import CLAIM, Lease, Renewer, let_lapse
 from ..alike import collapse_hits
 from ..base import Claim, Hit, Lookup, Quota, Release, Save, Settle, StoreOp, Vacate
 from ..transport import check_transport
@@ -538,6 +538,10 @@ class RedisClusterStore(RedisStore):
                         raise StoreError(redact(f"Redis Cluster {self.url}: {outcome!r}"))
         except StoreError:
             self._failures += 1
+            let_lapse(self._held, ops)  # nobody will end what it took or was ending
+            for op in ops:
+                if (type(op) is Save or type(op) is Release) and op.token:
+                    self._books.end(op.key, op.token)
             raise
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):

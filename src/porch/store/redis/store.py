@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from ..._tasks import stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import Heartbeat, HeldLeases, Renewer
+from .._leases import Heartbeat, HeldLeases, Renewer, let_lapse
 from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
@@ -358,6 +358,7 @@ class RedisStore:
                     raise StoreError(f"Redis store {redact(self.url)}: {result}")
         except StoreError:
             self._failures += 1
+            let_lapse(self._held, ops)  # nobody will end what it took or was ending
             raise
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
