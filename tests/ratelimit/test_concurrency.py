@@ -5,7 +5,7 @@ cancelled; the draft's fields for a cap; its refusals (Retry-After 1, never reme
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,9 @@ from porch import (
     SQLiteStore,
 )
 from porch._types import Message, Receive, Scope, Send
-from porch.store.base import Hit, Vacate
+from porch.store.base import Hit, StoreOp, Vacate
 from support import asgi_client as client
-from support import until
+from support import through_apply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -234,6 +234,53 @@ async def test_a_cancelled_request_frees_its_slot(pool: KeyPool) -> None:
         await task
     await until(lambda: handler.running == 0)
     assert await in_flight(pool, key) == 0
+
+
+class HeldStore(SQLiteStore):
+    """Holds every batch until ``gate`` is set (``holding``: one waits)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        through_apply(self)
+        self.gate = asyncio.Event()
+        self.holding = False
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        if not self.gate.is_set():
+            self.holding = True
+            await asyncio.wait_for(self.gate.wait(), 30)
+        await super().apply(ops)
+
+
+async def test_a_request_cancelled_while_its_slot_is_being_taken_frees_it(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """Cancelled while its hit is in the store: the slot the hit takes is freed when it
+    commits (it was held for as long as the store lived: that client got 429 for good)."""
+    store = HeldStore(tmp_path, clock=clock)
+    handler = Handler()
+    app = RateLimitMiddleware(handler, pool=(pool := KeyPool(store)), rules=Rule(Concurrency(1)))
+    key = "rl\x1fdefault\x1f1-in-flight\x1f10.1.1.1"
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        pass
+
+    async with pool:
+        task = asyncio.ensure_future(app(_scope(), receive, send))
+        await until(lambda: store.holding, "the hit reached the store")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.gate.set()
+        await until(lambda: store.statistics().transactions >= 2, "the hit and its vacate")
+        assert await in_flight(pool, key) == 0
+        handler.go.set()
+        async with client(app) as c:
+            assert (await c.get("/")).status_code == 200
+    assert handler.entered == 1
 
 
 async def test_a_dry_run_counts_a_slot_refusal_and_lets_the_request_through(

@@ -9,6 +9,7 @@ never reads or writes a counter itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -103,8 +104,25 @@ class _HitCall(Call):
         ops.append(self.hit)
 
     def finish(self, shard: Shard) -> None:
-        if not self.future.done():
-            self.future.set_result(self.hit)
+        future = self.future
+        if not future.done():
+            future.set_result(self.hit)
+        elif self.hit.token and future.cancelled():
+            # Its request was cancelled while the hit was in the store (a client gone, a
+            # server stopping): the slots it took are nobody's, and only this frees them.
+            _vacate_for_nobody(shard, Vacate.of(self.hit))
+
+
+def _vacate_for_nobody(shard: Shard, vacate: Vacate) -> None:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(_retrieve)  # a failure is the store's to log and end
+    with contextlib.suppress(PoolClosedError):  # the store is closing: its slots end with it
+        shard.mailbox.send_nowait(_VacateCall(future, vacate), force=True)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class _SettleCall(Call):
