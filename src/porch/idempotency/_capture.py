@@ -314,7 +314,13 @@ class Capture:
         writing, self.writing = self.writing, None
         if writing is not None:
             try:
-                await writing
+                # Shielded: a cancelled owner's part may reach the store all the same (a
+                # network store's command on its way), so it is left to finish and the
+                # drop that follows waits for it (_drop_parts).
+                await asyncio.shield(writing)
+            except asyncio.CancelledError:
+                self.writing = writing
+                raise
             except StoreError as exc:
                 self.failed = True
                 self._drop_parts()
