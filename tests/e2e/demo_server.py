@@ -172,6 +172,9 @@ class DemoServer:
         # runner's environment says to uvicorn.
         child_env.pop("FORWARDED_ALLOW_IPS", None)
         child_env["PYTHONUNBUFFERED"] = "1"
+        # A server that does not stop is sent SIGABRT (terminate()): every thread's stack
+        # goes to its stderr, so the failure shows where it waits.
+        child_env["PYTHONFAULTHANDLER"] = "1"
         child_env.update(self.env)
         command = [
             sys.executable,
@@ -239,9 +242,16 @@ class DemoServer:
         try:
             code = proc.wait(timeout=STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"porch demo ignored SIGTERM for {STOP_TIMEOUT} s\n" + self.output())
+            proc.send_signal(signal.SIGABRT)  # its threads' stacks, to its stderr
+            try:
+                proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pytest.fail(
+                f"porch demo did not stop within {STOP_TIMEOUT} s of SIGTERM (its stacks at"
+                " SIGABRT are in its stderr)\n" + self.output()
+            )
         # uvicorn shuts down gracefully, then re-raises the signal it caught: a clean stop
         # is exit status 0 or "terminated by SIGTERM", never a crash or another signal.
         assert code in (0, -signal.SIGTERM), f"exit status {code}\n" + self.output()
