@@ -79,6 +79,23 @@ def rows(store: SQLiteStore) -> list[Any]:
         return list(conn.execute("SELECT key, blob, length(body), size FROM responses"))
 
 
+def export_scope() -> Scope:
+    """A POST /export with an idempotency key, for an app called directly (no client)."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/export",
+        "raw_path": b"/export",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", b"k1")],
+        "client": ("10.0.0.1", 1234),
+    }
+
+
+async def no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 async def test_a_big_response_is_stored_in_parts_and_replayed_byte_identically(
     tmp_path: Path,
 ) -> None:
@@ -136,24 +153,13 @@ async def test_the_last_chunk_leaves_only_after_its_parts_and_record_are_committ
     store = HeldSaveStore(tmp_path)
     sent: list[Message] = []
 
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/export",
-        "raw_path": b"/export",
-        "query_string": b"",
-        "headers": [(b"idempotency-key", b"k1")],
-        "client": ("10.0.0.1", 1234),
-    }
+    scope = export_scope()
     async with KeyPool(store) as pool:
         app = middleware(Exporter(), pool)
-        task = asyncio.ensure_future(app(scope, receive, send))
+        task = asyncio.ensure_future(app(scope, no_body, send))
         await until(lambda: store.held, "the response's Save reached the store")
         await spin()
         # Every part is in the side file, every chunk but the last has left.
@@ -229,6 +235,15 @@ class HeldParts(ThroughParts):
         self.written = False
         self.dropped = False
 
+    @classmethod
+    def on(cls, store: SQLiteStore, index: int, sent: bool = False) -> HeldParts:
+        """Held parts in place of ``store``'s own."""
+        parts = store.capabilities.parts
+        assert parts is not None
+        held = cls(parts, index, sent)
+        store.capabilities = replace(store.capabilities, parts=held)
+        return held
+
     async def open_gate(self, store: SQLiteStore) -> None:
         """Let the held write land, after any drop sent before it did (as a network store's
         small DEL overtakes a big command on another connection)."""
@@ -263,10 +278,7 @@ async def test_a_part_still_being_written_when_the_app_fails_goes_with_the_other
     # The app fails while part 1 is on its way to the store: the drop must not overtake
     # it (it did, and the part stayed for its grace, ten minutes).
     store = SQLiteStore(tmp_path)
-    parts = store.capabilities.parts
-    assert parts is not None
-    held = HeldParts(parts, index=1)
-    store.capabilities = replace(store.capabilities, parts=held)
+    held = HeldParts.on(store, index=1)
     app = Exporter(fail_after=2 * MIB + CHUNK)  # just after part 1's write started
     async with KeyPool(store) as pool, client(middleware(app, pool)) as c:
         with pytest.raises(RuntimeError, match="the export failed"):
@@ -283,28 +295,14 @@ async def test_a_part_on_its_way_when_the_owner_is_cancelled_goes_with_the_other
     # The owner is cancelled (its client left) while it waits for part 1, which lands
     # all the same: the drop must wait for it, not go first.
     store = SQLiteStore(tmp_path)
-    parts = store.capabilities.parts
-    assert parts is not None
-    held = HeldParts(parts, index=1, sent=True)
-    store.capabilities = replace(store.capabilities, parts=held)
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/export",
-        "raw_path": b"/export",
-        "query_string": b"",
-        "headers": [(b"idempotency-key", b"k1")],
-        "client": ("10.0.0.1", 1234),
-    }
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
+    held = HeldParts.on(store, index=1, sent=True)
+    scope = export_scope()
 
     async def send(message: Message) -> None:
         pass
 
     async with KeyPool(store) as pool:
-        task = asyncio.ensure_future(middleware(Exporter(), pool)(scope, receive, send))
+        task = asyncio.ensure_future(middleware(Exporter(), pool)(scope, no_body, send))
         await until(lambda: held.holding, "part 1's write reached the store")
         await spin()  # the owner waits for it before it writes part 2
         task.cancel()
