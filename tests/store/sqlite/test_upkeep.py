@@ -256,12 +256,15 @@ async def test_big_saves_never_hold_up_a_small_batch(tmp_path: Path) -> None:
         await store.close()
 
 
+@pytest.mark.parametrize("thread", ["running", "held"])
 async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: str
 ) -> None:
     # Catches: checkpoints turned off on the writer with nothing else copying the WAL back
     # (it would hold every frame written: ~22 MiB here, 11x its limit), or a WAL that
-    # never restarts; counts lost by checkpoints running beside the writer. The limit is
+    # never restarts; counts lost by checkpoints running beside the writer. "held": the
+    # checkpoint thread never gets to a round (as when a loaded machine keeps it from
+    # running), and the writer's backstop alone bounds the WAL. The limit is
     # cut to 2 MiB so that about a second of writes passes it many times over (the
     # checkpoint thread and the writer's journal_size_limit read it at open), and the
     # pace by as much: the WAL stays near its limit only while the writer adds less than
@@ -271,6 +274,15 @@ async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
     monkeypatch.setattr("porch.store.sqlite.writer.WAL_LIMIT", limit)
     pace = CHECKPOINT_PACE * limit / WAL_LIMIT
     monkeypatch.setattr("porch.store.sqlite.upkeep.CHECKPOINT_PACE", pace)
+    released = threading.Event()
+    if thread == "held":
+        rounds = Checkpoints._run
+
+        def held_run(self: Checkpoints, conn: sqlite3.Connection) -> None:
+            released.wait(60.0)
+            rounds(self, conn)
+
+        monkeypatch.setattr(Checkpoints, "_run", held_run)
     store = SQLiteStore(tmp_path)
     await store.open()
     wal = store.path.with_name(store.path.name + "-wal")
@@ -298,6 +310,7 @@ async def test_checkpoints_keep_the_wal_bounded_while_the_writer_never_idles(
         await store.apply(hits)
         assert used(hits[0]) == [2]
     finally:
+        released.set()
         await store.close()
     assert written * 4096 > 5 * limit, f"only {written * 4096 / MIB:.1f} MiB written"
     assert peak < 3 * limit, (
@@ -343,7 +356,8 @@ def test_a_wal_catch_up_holds_big_saves_until_the_checkpoint_thread_copied_them(
             time.sleep(0.001)
 
     try:
-        writer.execute("INSERT INTO t VALUES (zeroblob(?))", (2 * WAL_LIMIT,))
+        # Past the limit, short of the writer's own backstop (BACKSTOP limits).
+        writer.execute("INSERT INTO t VALUES (zeroblob(?))", (3 * WAL_LIMIT // 2,))
         checkpoints.committed(writer)
         commits_until(lambda: checkpoints.holding)  # the WAL is past its limit: hold
         commits_until(lambda: not checkpoints.holding)  # one more round copied it: go
