@@ -8,8 +8,11 @@ blocked event loop, which is the same code for PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 
@@ -85,3 +88,89 @@ async def test_a_loop_blocked_past_half_a_lease_is_warned_once_and_the_claim_kep
     assert theirs.held  # kept from the heartbeat thread meanwhile
     # Once the loop runs again, that is said too (at INFO): the episode is over.
     await until(lambda: "event loop runs again" in caplog.text, "the loop said to run again")
+
+
+class Relay:
+    """A TCP relay on loopback to ``port``. ``stall()``: the connections open by then stop
+    passing bytes (held, as on a lost network path) until ``close()``; later ones pass."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = 0
+        self.open: list[asyncio.Event] = []  # each connection's: set while it stalls
+        self.released = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    def stall(self) -> None:
+        for stalled in self.open:
+            stalled.set()
+
+    async def close(self) -> None:
+        self.released.set()
+        for writer in self.writers:
+            writer.close()
+        if self.server is not None:
+            self.server.close()
+            await asyncio.wait_for(self.server.wait_closed(), 10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers += [writer, up_writer]
+        stalled = asyncio.Event()
+        self.open.append(stalled)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    if stalled.is_set():
+                        await self.released.wait()
+                        return
+                    sink.write(data)
+                    await sink.drain()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_a_renewal_that_stops_answering_does_not_lapse_the_claims(redis_url: str) -> None:
+    # Catches: a heartbeat whose next round waits for the one still out, which may take its
+    # whole deadline (connect and round trip: 8 s by default): one connection that stops
+    # answering lapsed every lease of the process, and a duplicate elsewhere ran again.
+    target = urllib.parse.urlsplit(redis_url)
+    assert target.port is not None
+    relay = Relay(target.port)
+    await relay.start()
+    prefix = f"porch-l{uuid.uuid4().hex[:10]}"
+    through = target._replace(netloc=f"127.0.0.1:{relay.port}").geturl()
+    owner = RedisStore(through, prefix=prefix, lease=LEASE)
+    other = RedisStore(redis_url, prefix=prefix, lease=LEASE)
+    server = redis.Redis.from_url(redis_url)
+    try:
+        await owner.open()
+        await other.open()
+        mine = Claim("s\x1fstalled")
+        await owner.apply([mine])
+        assert mine.token > 0
+        record = owner.names.record(mine.key)
+        since = server.hget(record, "l")
+        await until(lambda: server.hget(record, "l") != since, "a renewal")  # its connection
+        relay.stall()  # the heartbeat's connection, and the store's own
+        loop = asyncio.get_running_loop()
+        stalled, checks = loop.time(), 0
+        while loop.time() - stalled < 2.5 * LEASE:  # renewed on the stalled one: lapsed
+            theirs = Claim(mine.key)
+            await other.apply([theirs])
+            taken = f"taken over {loop.time() - stalled:.1f} s into the stall"
+            assert (theirs.held, theirs.token) == (True, 0), taken
+            checks += 1
+            await asyncio.sleep(0.2)
+        assert checks >= 5
+    finally:
+        server.close()
+        await relay.close()
+        await owner.close()
+        await other.close()

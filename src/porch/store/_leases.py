@@ -3,7 +3,8 @@
 On a network store a claim is a lease in the server's time: a fence token and
 an end, ``lease`` seconds after its holder's last renewal. What keeps it is
 the holder's *process*: a heartbeat renews every lease the process holds every
-``lease / 3`` seconds in one round trip, and ``close()`` releases them at once.
+``lease / 3`` seconds in one round trip (a round trip still out then does not hold
+up the next: see ``ROUNDS_OUT``), and ``close()`` releases them at once.
 A process that is killed, frozen (SIGSTOP) or cut off stops renewing, so its
 leases end within ``lease`` seconds of the last renewal, and a late save of its
 is fenced.
@@ -56,6 +57,11 @@ CLAIM = "claim"
 SLOT = "slot"
 # Renewals per lease: a lease survives two renewals lost in a row.
 RENEWALS_PER_LEASE = 3
+# Renewal rounds out at once, at most. A round still out at the next beat (its connection
+# stopped answering, or waits on a slow server) does not hold up the next one, which goes
+# on a connection of its own: one stalled round trip would otherwise outlast the lease
+# (a round may take its whole deadline, connect and round trip, 8 s by default).
+ROUNDS_OUT = 2
 
 
 class Lease(NamedTuple):
@@ -227,7 +233,16 @@ class Heartbeat:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         owner = self._owner
-        renewer = self._make_renewer()
+        renewers = [self._make_renewer()]  # every one made, to close
+        idle = list(renewers)
+        out: set[asyncio.Task[None]] = set()
+
+        async def renew(renewer: Renewer, leases: list[Lease]) -> None:
+            try:
+                await self._renew(renewer, leases)
+            finally:
+                idle.append(renewer)
+
         try:
             while not self._stopping.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -238,14 +253,23 @@ class Heartbeat:
                 if owner is None or owner.is_closed():
                     break  # nobody is left to report these leases: released below
                 leases = self.held.snapshot()
-                if leases:
+                if leases and len(out) < ROUNDS_OUT:
                     self._check_owner(owner, len(leases))
-                    await self._renew(renewer, leases)
-            await self._release(renewer)
+                    if not idle:  # the last round is still out: a connection of its own
+                        renewers.append(self._make_renewer())
+                        idle.append(renewers[-1])
+                    task = asyncio.create_task(renew(idle.pop(), leases))
+                    out.add(task)
+                    task.add_done_callback(out.discard)
+            if out:
+                await asyncio.wait(out)  # each within its deadline
+            await self._release(idle[-1])  # the last back: the likeliest to answer
         finally:
+            for task in out:
+                task.cancel()
             try:
                 async with asyncio.timeout(self.deadline):
-                    await renewer.close()
+                    await asyncio.gather(*(renewer.close() for renewer in renewers))
             except Exception as exc:
                 self.logger.debug("porch: closing the heartbeat's connection: %r", exc)
 
