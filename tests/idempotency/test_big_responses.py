@@ -313,6 +313,42 @@ async def test_a_part_on_its_way_when_the_owner_is_cancelled_goes_with_the_other
         assert rows(store) == []
 
 
+class FencedSaveStore(HeldSaveStore):
+    """Holds every Save until ``gate`` is set, and sends it with a token its claim no longer
+    has (as after the claim lapsed and another owner took the key): it comes back fenced."""
+
+    async def apply(self, ops: Sequence[StoreOp]) -> None:
+        for op in ops:
+            if isinstance(op, Save):
+                op.token += 1
+        await super().apply(ops)
+
+
+async def test_an_owner_cancelled_while_its_save_is_out_still_drops_what_nothing_names(
+    tmp_path: Path,
+) -> None:
+    # The owner is cancelled (its client left) while its Save is in the store, and the
+    # Save comes back fenced: no record names the body's parts, so they go now (they
+    # stayed for their grace, ten minutes).
+    store = FencedSaveStore(tmp_path)
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async with KeyPool(store) as pool:
+        app = middleware(Exporter(), pool)
+        task = asyncio.ensure_future(app(export_scope(), no_body, send))
+        await until(lambda: store.held, "the response's Save reached the store")
+        assert side(store, "SELECT count(*) FROM parts") == [(4,)]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        store.gate.set()
+        await until(lambda: side(store, "SELECT count(*) FROM parts") == [(0,)], "parts dropped")
+        assert rows(store) == []
+
+
 async def test_a_signed_body_in_parts_is_checked_whole_before_its_first_byte(
     tmp_path: Path,
 ) -> None:

@@ -11,6 +11,7 @@ part names it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -396,13 +397,26 @@ class Capture:
             stored = StoredResponse(self.digest, self.status, self.headers, b"".join(self.chunks))
             if self.owner.integrity is not None:
                 stored = self.owner.integrity.sign(self.key, stored)
-        try:
-            outcome = await self.report(stored)
-        except (StoreError, PoolClosedError) as exc:
+        report = self.report(stored)
+        # The outcome is dealt with where it lands (before this task resumes), also when
+        # the owner is cancelled meanwhile: the Save is delivered all the same, and parts
+        # no record names must still go.
+        report.add_done_callback(self._outcome)
+        with contextlib.suppress(StoreError, PoolClosedError):  # said by _outcome
+            await asyncio.shield(report)
+
+    def _outcome(self, report: asyncio.Future[Report]) -> None:
+        if report.cancelled():
+            return
+        exc = report.exception()
+        if isinstance(exc, StoreError | PoolClosedError):
             # Its parts are not dropped: the Save may have committed all the same (its
             # answer lost). Nothing names them otherwise, and they go with their grace.
             self._not_stored(exc)
             return
+        if exc is not None:
+            return  # raised by the await in _complete
+        outcome = report.result()
         if outcome != "saved":
             self._drop_parts()  # nothing names them
         if outcome == "quota":
