@@ -48,6 +48,7 @@ __all__ = [
     "HeldLeases",
     "Lease",
     "Renewer",
+    "confirm_late",
     "let_lapse",
 ]
 
@@ -136,6 +137,29 @@ def let_lapse(held: HeldLeases, ops: Iterable[object]) -> None:
                 held.end(SLOT, key, op.token)
 
 
+async def confirm_late(heartbeat: Heartbeat, ops: Sequence[object], sent: float) -> None:
+    """Claims granted by a batch sent at ``sent`` (``loop.time()``) whose replies were read
+    more than half a lease later: renewed now, before their owners run.
+
+    The heartbeat renews only what is held, and a claim is held once its reply is read:
+    an event loop blocked (or starved) while the reply waited could read it after its
+    lease ended, and a duplicate on another host could have claimed the key meanwhile;
+    both would run the handler. A late claim that cannot be renewed now (taken over, or
+    the round failed) is given up, renewed no more, and answered as held elsewhere, so its
+    caller looks again (within a lease, the most the given-up one can still hold).
+    """
+    if asyncio.get_running_loop().time() - sent <= heartbeat.lease / 2:
+        return
+    late = [op for op in ops if isinstance(op, Claim) and op.token]
+    if not late:
+        return
+    renewed = await heartbeat.confirm([Lease(CLAIM, op.key, op.token) for op in late])
+    for op, ok in zip(late, renewed, strict=True):
+        if not ok:
+            heartbeat.held.end(CLAIM, op.key, op.token)
+            op.token, op.held, op.retry_after = 0, True, heartbeat.lease
+
+
 class Renewer(Protocol):
     """A backend's side of the heartbeat, used on the heartbeat's own loop only (its
     connection is its own). Each call is one round trip, connecting first when it has
@@ -191,6 +215,9 @@ class Heartbeat:
         self._failing = False
         self._pinged: float | None = None  # when a ping to the owner loop was sent, unanswered
         self._warned = False
+        # The renewers made, and those not in use (the heartbeat's loop only).
+        self._renewers: list[Renewer] = []
+        self._idle: list[Renewer] = []
 
     def start(self) -> None:
         self._owner = asyncio.get_running_loop()
@@ -217,6 +244,33 @@ class Heartbeat:
                 "porch: the lease heartbeat did not stop within %.1f s; left to finish", within
             )
 
+    async def confirm(self, leases: list[Lease]) -> list[bool]:
+        """From the store's loop: renew ``leases`` now, in one round trip on the heartbeat's
+        loop and connection; False where not renewed (taken over, or the round failed)."""
+        loop = self._loop
+        if loop is None or self._thread is None:
+            return [False] * len(leases)
+        try:
+            renewal = asyncio.run_coroutine_threadsafe(self._renew_now(leases), loop)
+        except RuntimeError:  # its loop has closed
+            return [False] * len(leases)
+        try:
+            async with asyncio.timeout(self.deadline + 1.0):
+                return await asyncio.wrap_future(renewal)
+        except Exception:  # StoreError, or its deadline
+            return [False] * len(leases)
+
+    async def _renew_now(self, leases: list[Lease]) -> list[bool]:
+        if not self._idle:
+            self._renewers.append(self._make_renewer())
+            self._idle.append(self._renewers[-1])
+        renewer = self._idle.pop()
+        try:
+            async with asyncio.timeout(self.deadline):
+                return list(await renewer.renew(leases))
+        finally:
+            self._idle.append(renewer)
+
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -233,8 +287,8 @@ class Heartbeat:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         owner = self._owner
-        renewers = [self._make_renewer()]  # every one made, to close
-        idle = list(renewers)
+        renewers = self._renewers = [self._make_renewer()]  # every one made, to close
+        idle = self._idle = list(renewers)
         out: set[asyncio.Task[None]] = set()
 
         async def renew(renewer: Renewer, leases: list[Lease]) -> None:

@@ -15,6 +15,11 @@ with synchronous work, as a handler doing sync I/O in an ``async def`` does, the
 answers ``blocked``), ``exit``. The tests kill it (-9)
 or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
 
+``claim KEY`` claims KEY (its token and whether it is held elsewhere).
+``PORCH_HOLDER_LATE_REPLY`` (seconds): the first claim's reply is read that late, its
+event loop blocked as it reads the reply (after answering ``late``), as a loop busy with
+a handler's synchronous work reads it.
+
 ``PORCH_HOLDER_CLAIM`` (JSON: ``scope``, ``client``, ``reserve`` and ``quota`` as
 ``[scope_bytes, total_bytes, client_bytes]``) makes the claim reserve quota bytes.
 """
@@ -22,11 +27,13 @@ or freeze it (SIGSTOP) in between; while it waits for a command it costs no CPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import json
 import os
 import sys
 import time
-from typing import cast
+from typing import Any, cast
 
 import porch
 from porch.store.base import Algorithm, Claim, Hit, Quota, Release, Save, StoredResponse, Vacate
@@ -37,7 +44,42 @@ def say(**fields: object) -> None:
     sys.stdout.flush()
 
 
+def read_late(seconds: float) -> None:
+    """The first claim's reply is read ``seconds`` late (see the module docstring):
+    each lease store's reply reader is wrapped where the store calls it."""
+    state = {"late": True}
+
+    def block(ops: list[object]) -> None:
+        # Before the reply is read: what it grants is not held (renewed) until then.
+        if state["late"] and any(type(op) is Claim for op in ops):
+            state["late"] = False
+            say(late=True)
+            time.sleep(seconds)
+
+    with contextlib.suppress(ImportError):
+        postgres: Any = importlib.import_module("porch.store.postgres.store")
+        rows = postgres.fill_from_rows
+
+        def fill_from_rows(sent: list[object], *args: Any) -> None:
+            block(sent)
+            rows(sent, *args)
+
+        postgres.fill_from_rows = fill_from_rows
+    for name in ("porch.store.redis.store", "porch.store.redis.cluster"):
+        with contextlib.suppress(ImportError):
+            redis: Any = importlib.import_module(name)
+            reply = redis.fill_from_reply
+
+            def fill_from_reply(held: Any, op: object, *args: Any, reply: Any = reply) -> None:
+                block([op])
+                reply(held, op, *args)
+
+            redis.fill_from_reply = fill_from_reply
+
+
 async def main(url: str, options: dict[str, object], key: str) -> None:
+    if "PORCH_HOLDER_LATE_REPLY" in os.environ:
+        read_late(float(os.environ["PORCH_HOLDER_LATE_REPLY"]))
     # A JSON list: one URL per server of a sharded store.
     store = porch.open_store(json.loads(url) if url.startswith("[") else url, **options)
     await store.open()
@@ -59,6 +101,10 @@ async def main(url: str, options: dict[str, object], key: str) -> None:
                 save = Save(key, response, float(ttl), token=claim.token)
                 await store.apply([save])
                 say(outcome=save.outcome)
+            elif command == "claim":
+                other = Claim(rest)
+                await store.apply([other])
+                say(token=other.token, held=other.held)
             elif command == "release":
                 release = Release(key, claim.token)
                 await store.apply([release])

@@ -50,6 +50,33 @@ async def test_an_owner_whose_event_loop_is_blocked_keeps_its_claim(backend: Bac
     assert replay.stored.body == b"after the block"
 
 
+@pytest.mark.parametrize("taken_over", [True, False], ids=["taken-over", "not-taken"])
+async def test_a_claim_whose_reply_is_read_after_its_lease_ended_runs_once(
+    backend: Backend, taken_over: bool
+) -> None:
+    """The owner's loop is blocked (a handler's synchronous work) while its claim's reply
+    waits, and reads it 2.5 leases late: the lease lapsed unrenewed, since the heartbeat
+    renews only what is held. Taken over meanwhile, the late claim is given up (both ran
+    the handler); if not, it is kept."""
+    if not backend.leases:
+        pytest.skip("SQLite's claims are locks of their holder's process: no lease to lapse")
+    lease = 1.0
+    env = {"PORCH_HOLDER_LATE_REPLY": str(2.5 * lease)}
+    holder = await backend.holder("-", env=env, **backend.lease(lease))
+    other = await backend.store()
+    assert await holder.send("claim late") == {"late": True}  # granted; read late
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    if taken_over:
+        while not (await claim(other, "late")).token:
+            assert loop.time() - started < 10.0, "the unrenewed lease never lapsed"
+            await asyncio.sleep(0.1)
+        assert (await holder.read())["token"] == 0  # given up: held elsewhere
+    else:
+        assert (await holder.read())["token"] > 0  # renewed when read: nobody took it
+        assert_held(backend, await claim(other, "late"), lease)
+
+
 async def test_close_ends_the_claims_at_once_and_wakes_their_waiters(backend: Backend) -> None:
     """A process that leaves (SIGTERM: its store closes) ends its claims there and then,
     long before a lease would lapse: waiters elsewhere are woken and take over."""

@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlsplit
 from ..._tasks import STOP_TIMEOUT, stop_if_cancelled, stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import CLAIM, Heartbeat, HeldLeases, Lease, let_lapse
+from .._leases import CLAIM, Heartbeat, HeldLeases, Lease, confirm_late, let_lapse
 from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import (
@@ -423,6 +423,7 @@ class PostgresStore:
             clock = self.clock
             now = None if clock is None else clock.monotonic()
             wall = None if clock is None else clock.wall()
+            started = asyncio.get_running_loop().time()
             if any(type(op) is Vacate or (type(op) is Hit and op.slots) for op in ops):
                 # Concurrency slots: the counter ops with their slots (slots.py), then the
                 # rest, if any, in a second call.
@@ -438,6 +439,8 @@ class PostgresStore:
                 async with asyncio.timeout(self.statement_timeout + 0.5):
                     rows = await conn.fetch(self._sql, *arguments)
                 fill_from_rows(sent, alike, rows, self._held, wall)
+            if self._heartbeat is not None:
+                await confirm_late(self._heartbeat, ops, started)
             for job_ops, future in jobs:
                 if future.done():  # its caller gave up: nobody knows of its claims
                     let_lapse(self._held, job_ops)

@@ -51,7 +51,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ..._tasks import stop_if_cancelled
 from ...errors import ConfigurationError, StoreError
-from .._leases import CLAIM, Lease, Renewer, let_lapse
+from .._leases import CLAIM, Lease, Renewer, confirm_late, let_lapse
 from ..alike import collapse_hits
 from ..base import Claim, Hit, Lookup, Quota, Release, Save, Settle, StoreOp, Vacate
 from ..transport import check_transport
@@ -519,6 +519,7 @@ class RedisClusterStore(RedisStore):
         now = None if clock is None else clock.monotonic()
         wall = None if clock is None else clock.wall()
         results: list[Any] = [None] * len(sent)
+        started = asyncio.get_running_loop().time()
         try:
             for wave in _waves(
                 names, sent, [self._split(op, alike.get(i), now) for i, op in enumerate(sent)]
@@ -547,6 +548,8 @@ class RedisClusterStore(RedisStore):
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
             fill_from_reply(self._held, op, result, alike.get(i), wall)
             self._note_books(op)
+        if self._heartbeat is not None:
+            await confirm_late(self._heartbeat, sent, started)
 
     async def _into(self, results: list[Any], i: int, plan: Awaitable[Any]) -> None:
         results[i] = await plan

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from ..._tasks import stop_task
 from ...clock import Clock
 from ...errors import ConfigurationError, StoreError
-from .._leases import Heartbeat, HeldLeases, Renewer, let_lapse
+from .._leases import Heartbeat, HeldLeases, Renewer, confirm_late, let_lapse
 from .._watches import Watches
 from ..alike import collapse_hits
 from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
@@ -349,6 +349,7 @@ class RedisStore:
         names, lease_ms, clock = self.names, self._lease_ms, self.clock
         now = None if clock is None else clock.monotonic()
         wall = None if clock is None else clock.wall()
+        started = asyncio.get_running_loop().time()
         try:
             results = await group.run(
                 [command(names, lease_ms, op, alike.get(i), now) for i, op in enumerate(sent)]
@@ -363,6 +364,8 @@ class RedisStore:
         self._operations += len(ops)
         for i, (op, result) in enumerate(zip(sent, results, strict=True)):
             fill_from_reply(self._held, op, result, alike.get(i), wall)
+        if self._heartbeat is not None:
+            await confirm_late(self._heartbeat, sent, started)
 
     async def _execute_now(self, commands: list[Command]) -> list[Any]:
         """``commands`` as one pipeline of their own, on the store's client."""
