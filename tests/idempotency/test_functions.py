@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from porch import (
     PorchMetrics,
     Quota,
     SQLiteStore,
+    StoreError,
     idempotent_function,
 )
 from porch.idempotency import JSONCodec
@@ -271,3 +273,37 @@ async def test_each_calls_outcome_and_each_wait_is_counted_per_function(tmp_path
             "unavailable": 0.0,
         }
         assert counted("porch_idempotent_function_waits_total") == 1.0  # the duplicate
+
+
+def test_a_sync_caller_that_stops_waiting_as_it_comes_to_own_the_key_leaves_it_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: a sync call whose wait for the store ran out just as its acquire ended as
+    # the owner: cancelled from the caller's thread, that answer (and the claim) was
+    # dropped, and the key stayed held until the process exited (each retry: 409).
+    monkeypatch.setattr("porch.idempotency._functions._LOOP_MARGIN", 0.2)
+    runs: list[str] = []
+
+    def job(job: str) -> str:
+        runs.append(job)
+        return job
+
+    policy = IdempotencyPolicy(wait_timeout=1.0)
+    fn = idempotent_function(KeyPool(SQLiteStore(tmp_path)), key="job", policy=policy)(job)
+    owned = fn._acquire
+
+    async def owned_late(key: str, digest: bytes) -> Any:
+        answer = await owned(key, digest)
+        time.sleep(2.0)  # noqa: ASYNC251 - the loop stuck, the answer in hand, past 1.2 s
+        return answer
+
+    monkeypatch.setattr(fn, "_acquire", owned_late)
+    try:
+        with pytest.raises(StoreError, match="no answer from the store"):
+            fn("a")
+        monkeypatch.setattr(fn, "_acquire", owned)
+        monkeypatch.setattr("porch.idempotency._functions._LOOP_MARGIN", 60.0)
+        assert fn("a") == "a"  # the key was free: run now, not refused after a wait
+        assert runs == ["a"]
+    finally:
+        fn.close()

@@ -336,13 +336,22 @@ class IdempotentFunction(Generic[P, R]):
     ) -> Any:
         loop = self._background()
         bound = self.policy.wait_timeout + _LOOP_MARGIN
-        pending = asyncio.run_coroutine_threadsafe(self._acquire(key, digest), loop)
+        started: list[asyncio.Task[Any]] = []  # the acquire's task, once it runs
+
+        async def acquiring() -> tuple[Outcome, Acquire, int]:
+            task = asyncio.current_task()
+            if task is not None:
+                started.append(task)
+            return await self._acquire(key, digest)
+
+        pending = asyncio.run_coroutine_threadsafe(acquiring(), loop)
         try:
             outcome, acquire, shard = pending.result(bound)
         except concurrent.futures.TimeoutError:
-            # The store did not answer in time: give up the call (a claim it took
-            # meanwhile is released by the cancelled acquire), never hold the key.
-            pending.cancel()
+            # The store did not answer in time: give up the call, never hold the key.
+            # Decided on the loop: from here the acquire could end as the owner just as
+            # it is cancelled, and that answer, and the claim, would be lost.
+            loop.call_soon_threadsafe(self._give_up, key, pending, started)
             self._count("unavailable")
             raise StoreError(f"{self.name}: no answer from the store in {bound:.0f} s") from None
         if outcome is not OWNER:
@@ -359,6 +368,27 @@ class IdempotentFunction(Generic[P, R]):
         ).result(bound)
         self._count("executed" if stored else "unstored")
         return value
+
+    def _give_up(
+        self,
+        key: str,
+        pending: concurrent.futures.Future[tuple[Outcome, Acquire, int]],
+        started: list[asyncio.Task[Any]],
+    ) -> None:
+        """On the loop: a sync caller stopped waiting for its acquire. Not started yet, it
+        never will; under way, it is cancelled (a claim it took meanwhile is released by
+        the cancelled acquire); ended as the owner, nobody will run the function or
+        report: its claim is released."""
+        if not started:
+            pending.cancel()
+            return
+        task = started[0]
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            outcome, acquire, shard = task.result()
+            if outcome is OWNER:
+                self._release(key, acquire.token, shard)
 
     def _background(self) -> asyncio.AbstractEventLoop:
         from ..integrations.wsgi._loop import BackgroundLoop
