@@ -12,13 +12,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import redis
 
+from porch.store._leases import CLAIM, Lease, Renewer
 from porch.store.base import Claim
 from porch.store.redis import RedisStore
 from support import until, wait_until
@@ -172,5 +174,55 @@ async def test_a_renewal_that_stops_answering_does_not_lapse_the_claims(redis_ur
     finally:
         server.close()
         await relay.close()
+        await owner.close()
+        await other.close()
+
+
+class HeldRenewals:
+    """A store's own renewer whose renewals wait until ``gate`` is set (``asked`` once one
+    does); releases and closes pass."""
+
+    def __init__(self, inner: Renewer, gate: threading.Event, asked: threading.Event) -> None:
+        self.inner, self.gate, self.asked = inner, gate, asked
+
+    async def renew(self, leases: Sequence[Lease]) -> Sequence[bool]:
+        self.asked.set()
+        # Set from the test's loop, another thread: polled here, on the heartbeat's.
+        while not self.gate.is_set():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        return await self.inner.renew(leases)
+
+    async def release(self, leases: Sequence[Lease]) -> None:
+        await self.inner.release(leases)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_close_releases_the_leases_while_a_confirm_is_out(redis_url: str) -> None:
+    # Catches: a close that found no renewer free (the only one renewing a late claim,
+    # confirm_late) and failed, releasing nothing: the claims stayed to their lease's end.
+    prefix = f"porch-l{uuid.uuid4().hex[:10]}"
+    owner = RedisStore(redis_url, prefix=prefix, lease=30.0)  # no renewal round meanwhile
+    other = RedisStore(redis_url, prefix=prefix, lease=30.0)
+    gate, asked = threading.Event(), threading.Event()
+    renewals = owner._renewals
+    owner._renewals = lambda: HeldRenewals(renewals(), gate, asked)  # type: ignore[method-assign]
+    await owner.open()
+    await other.open()
+    try:
+        mine = Claim("s\x1fconfirming")
+        await owner.apply([mine])
+        heartbeat = owner._heartbeat
+        assert heartbeat is not None
+        confirming = asyncio.ensure_future(heartbeat.confirm([Lease(CLAIM, mine.key, mine.token)]))
+        await until(asked.is_set, "the confirm's renewal asked")
+        await owner.close()
+        theirs = Claim(mine.key)
+        await other.apply([theirs])
+        assert theirs.token > 0  # released at close, not held to the end of its lease
+        assert await asyncio.wait_for(confirming, 10) == [False]  # ended with its loop
+    finally:
+        gate.set()
         await owner.close()
         await other.close()

@@ -215,7 +215,8 @@ class Heartbeat:
         self._failing = False
         self._pinged: float | None = None  # when a ping to the owner loop was sent, unanswered
         self._warned = False
-        # The renewers made, and those not in use (the heartbeat's loop only).
+        # The renewers made, and those not in use (the heartbeat's loop only): each in use
+        # is a round still out (see ROUNDS_OUT) or a confirm.
         self._renewers: list[Renewer] = []
         self._idle: list[Renewer] = []
 
@@ -257,19 +258,29 @@ class Heartbeat:
         try:
             async with asyncio.timeout(self.deadline + 1.0):
                 return await asyncio.wrap_future(renewal)
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if caller is not None and caller.cancelling():
+                raise  # this caller was cancelled
+            return [False] * len(leases)  # the heartbeat's loop ended under the renewal
         except Exception:  # StoreError, or its deadline
             return [False] * len(leases)
 
     async def _renew_now(self, leases: list[Lease]) -> list[bool]:
-        if not self._idle:
-            self._renewers.append(self._make_renewer())
-            self._idle.append(self._renewers[-1])
-        renewer = self._idle.pop()
+        renewer = self._renewer()
         try:
             async with asyncio.timeout(self.deadline):
                 return list(await renewer.renew(leases))
         finally:
             self._idle.append(renewer)
+
+    def _renewer(self) -> Renewer:
+        """One not in use (the last back: the likeliest to answer), or a new one (each in
+        use is a round still out); on the heartbeat's loop, given back to ``_idle``."""
+        if not self._idle:
+            self._renewers.append(self._make_renewer())
+            return self._renewers[-1]
+        return self._idle.pop()
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -284,18 +295,17 @@ class Heartbeat:
             self._finished.set_result(None)
 
     async def _beat(self) -> None:
+        self._renewers, self._idle = [], []  # every one made (to close), those not in use
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         owner = self._owner
-        renewers = self._renewers = [self._make_renewer()]  # every one made, to close
-        idle = self._idle = list(renewers)
         out: set[asyncio.Task[None]] = set()
 
         async def renew(renewer: Renewer, leases: list[Lease]) -> None:
             try:
                 await self._renew(renewer, leases)
             finally:
-                idle.append(renewer)
+                self._idle.append(renewer)
 
         try:
             while not self._stopping.is_set():
@@ -309,21 +319,24 @@ class Heartbeat:
                 leases = self.held.snapshot()
                 if leases and len(out) < ROUNDS_OUT:
                     self._check_owner(owner, len(leases))
-                    if not idle:  # the last round is still out: a connection of its own
-                        renewers.append(self._make_renewer())
-                        idle.append(renewers[-1])
-                    task = asyncio.create_task(renew(idle.pop(), leases))
+                    # A renewer not in use: while the last round is still out, a new
+                    # one (a connection of its own).
+                    task = asyncio.create_task(renew(self._renewer(), leases))
                     out.add(task)
                     task.add_done_callback(out.discard)
             if out:
                 await asyncio.wait(out)  # each within its deadline
-            await self._release(idle[-1])  # the last back: the likeliest to answer
+            releasing = self._renewer()  # a confirm may still have one out
+            try:
+                await self._release(releasing)
+            finally:
+                self._idle.append(releasing)
         finally:
             for task in out:
                 task.cancel()
             try:
                 async with asyncio.timeout(self.deadline):
-                    await asyncio.gather(*(renewer.close() for renewer in renewers))
+                    await asyncio.gather(*(renewer.close() for renewer in self._renewers))
             except Exception as exc:
                 self.logger.debug("porch: closing the heartbeat's connection: %r", exc)
 
