@@ -151,12 +151,12 @@ class Checkpoints:
     waits for two fsyncs (the WAL's, then the file's), and every decision queued
     behind it waits too. With many distinct clients each commit adds a page per
     new client, so this came every few dozen commits. Here the writer connection
-    never checkpoints by itself (``wal_autocheckpoint = 0``); a thread of its own,
-    on its own connection, runs PASSIVE checkpoints (the copy and both fsyncs) while
-    the writer goes on committing (sqlite3 releases the GIL meanwhile): at most
-    every ``CHECKPOINT_PACE`` seconds while the WAL is short or grows slowly, back
-    to back once it is past half its limit and a round's worth of commits added
-    more than ``FAST_GROWTH`` of it. The WAL restarts from its start only when
+    checkpoints by itself only as a backstop (past ``BACKSTOP`` limits, below); a
+    thread of its own, on its own connection, runs PASSIVE checkpoints (the copy and
+    both fsyncs) while the writer goes on committing (sqlite3 releases the GIL
+    meanwhile): at most every ``CHECKPOINT_PACE`` seconds while the WAL is short or
+    grows slowly, back to back once it is past half its limit and a round's worth of
+    commits added more than ``FAST_GROWTH`` of it. The WAL restarts from its start only when
     a write transaction begins after every frame was copied, which a busy writer
     never leaves the background time to reach; so once a background checkpoint
     saw more than ``WAL_LIMIT`` in the WAL, the writer copies the few frames added
