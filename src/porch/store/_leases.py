@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from .base import Claim, Hit, Release, Save, Vacate
@@ -267,20 +267,22 @@ class Heartbeat:
             return [False] * len(leases)
 
     async def _renew_now(self, leases: list[Lease]) -> list[bool]:
-        renewer = self._renewer()
-        try:
+        with self._borrowed() as renewer:
             async with asyncio.timeout(self.deadline):
                 return list(await renewer.renew(leases))
-        finally:
-            self._idle.append(renewer)
 
-    def _renewer(self) -> Renewer:
-        """One not in use (the last back: the likeliest to answer), or a new one (each in
-        use is a round still out); on the heartbeat's loop, given back to ``_idle``."""
+    @contextlib.contextmanager
+    def _borrowed(self) -> Iterator[Renewer]:
+        """A renewer not in use (the last back: the likeliest to answer), or a new one
+        (each in use is a round still out, or a confirm); on the heartbeat's loop."""
         if not self._idle:
             self._renewers.append(self._make_renewer())
-            return self._renewers[-1]
-        return self._idle.pop()
+            self._idle.append(self._renewers[-1])
+        renewer = self._idle.pop()
+        try:
+            yield renewer
+        finally:
+            self._idle.append(renewer)
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -301,11 +303,9 @@ class Heartbeat:
         owner = self._owner
         out: set[asyncio.Task[None]] = set()
 
-        async def renew(renewer: Renewer, leases: list[Lease]) -> None:
-            try:
+        async def renew(leases: list[Lease]) -> None:
+            with self._borrowed() as renewer:
                 await self._renew(renewer, leases)
-            finally:
-                self._idle.append(renewer)
 
         try:
             while not self._stopping.is_set():
@@ -319,18 +319,15 @@ class Heartbeat:
                 leases = self.held.snapshot()
                 if leases and len(out) < ROUNDS_OUT:
                     self._check_owner(owner, len(leases))
-                    # A renewer not in use: while the last round is still out, a new
-                    # one (a connection of its own).
-                    task = asyncio.create_task(renew(self._renewer(), leases))
+                    # While the last round is still out, this one borrows a renewer
+                    # of its own (a connection of its own).
+                    task = asyncio.create_task(renew(leases))
                     out.add(task)
                     task.add_done_callback(out.discard)
             if out:
                 await asyncio.wait(out)  # each within its deadline
-            releasing = self._renewer()  # a confirm may still have one out
-            try:
-                await self._release(releasing)
-            finally:
-                self._idle.append(releasing)
+            with self._borrowed() as renewer:  # a confirm may still have one out
+                await self._release(renewer)
         finally:
             for task in out:
                 task.cancel()
