@@ -36,6 +36,7 @@ from ..alike import collapse_hits
 from ..base import ALGORITHMS, PART_GRACE, SECRET_BYTES, Capabilities, StoreOp, StoreStatistics
 from ..transport import check_transport
 from ..urls import redact
+from . import wire
 from .claims import Renewals, Subscription
 from .commands import Command, command, fill_from_reply
 from .group import GroupPipeline
@@ -178,6 +179,7 @@ class RedisStore:
             logger=logger,
         )
         self._scripts: dict[str, Script] = load_scripts()
+        self._heads = wire.heads({name: s.sha for name, s in self._scripts.items()})
         self._lease_ms = max(1, math.ceil(lease * 1000))
         self._client: Redis | None = None
         self._closing: asyncio.Event | None = None
@@ -407,14 +409,8 @@ class RedisStore:
         return results
 
     async def _pipeline(self, client: Redis, commands: list[Command]) -> list[Any]:
-        scripts = self._scripts
-        async with client.pipeline(transaction=False) as pipe:
-            for script, keys, args in commands:
-                if script is None:
-                    pipe.execute_command("HMGET", keys[0], *args)
-                else:
-                    pipe.evalsha(scripts[script].sha, len(keys), *keys, *args)
-            return list(await pipe.execute(raise_on_error=False))
+        packed = wire.pack(commands, self._heads)
+        return await wire.run(client.connection_pool, packed, len(commands))
 
     async def _load_scripts(self, client: Redis) -> None:
         async with client.pipeline(transaction=False) as pipe:
