@@ -3,6 +3,7 @@
     python benchmarks/hotpath.py [--requests 20000] [--rounds 5]
                                  [--algorithm fixed|sliding|gcra] [--concurrency 64]
                                  [--policy levels|settle|concurrency] [--profile]
+                                 [--store sqlite|redis|postgres]
 
 Drives ``RateLimitMiddleware`` over a real SQLite pool with raw ASGI calls (no
 server, no HTTP parsing), 64 concurrent requests at a time from 64 clients, and
@@ -12,7 +13,9 @@ algorithm (a tree from before the policies knows only fixed windows);
 ``--concurrency 1`` sends one request at a time (each commits on its own);
 ``--clients 1`` sends every request as one client (as bench.py's wrk does).
 ``--policy`` takes the rule of bench.py's row of that name instead (benchmarks/apps.py:
-three levels, a reservation settled lower, a concurrency cap). ``--profile`` prints
+three levels, a reservation settled lower, a concurrency cap). ``--store redis`` or
+``postgres`` runs the pool over a throwaway server of that kind (as bench.py's rows): the
+CPU counted is this process's, the driver's included, not the server's. ``--profile`` prints
 cProfile's top functions of one more round (metrics off). Runs
 against whatever ``porch`` is importable (``PYTHONPATH=other/src`` measures
 another checkout; ``--no-metrics`` for a checkout without ``porch.metrics``).
@@ -26,11 +29,14 @@ import tempfile
 import time
 from typing import Any
 
-from porch import KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore
+from porch import KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore, open_store
+from porch.store.base import Store
 
 try:
+    from _stores import running
     from apps import _rule
 except ImportError:  # run as benchmarks/hotpath.py from elsewhere
+    from benchmarks._stores import running
     from benchmarks.apps import _rule
 
 
@@ -50,6 +56,7 @@ async def _round(
     concurrency: int,
     policy: str = "",
     clients: int = 64,
+    url: str = "",
 ) -> float:
     metrics = None
     if with_metrics:
@@ -58,7 +65,7 @@ async def _round(
         metrics = PorchMetrics()
     with tempfile.TemporaryDirectory() as data:
         kwargs: dict[str, Any] = {"metrics": metrics} if metrics is not None else {}
-        pool = KeyPool(SQLiteStore(data), size=4, **kwargs)
+        pool = KeyPool(_store(url, data), size=4, **kwargs)
         await pool.start()
         limit = (
             Limit(10**9, 3600) if algorithm == "fixed" else Limit(10**9, 3600, algorithm=algorithm)  # type: ignore[arg-type]
@@ -93,6 +100,17 @@ async def _round(
     return elapsed / done * 1e6
 
 
+def _store(url: str, data: str) -> Store:
+    """SQLite in ``data``, or the server at ``url`` under names of this round's own: each
+    round counts from nothing, as on SQLite."""
+    if not url:
+        return SQLiteStore(data)
+    names = f"hot{time.monotonic_ns()}"
+    return open_store(
+        url, **({"schema": names} if url.startswith("postgres") else {"prefix": names})
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=20_000)
@@ -103,25 +121,14 @@ def main() -> None:
     parser.add_argument("--policy", choices=["", "levels", "settle", "concurrency"], default="")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--clients", type=int, default=64, help="distinct clients (1: bench.py's)")
+    parser.add_argument("--store", choices=["sqlite", "redis", "postgres"], default="sqlite")
     args = parser.parse_args()
-    if args.profile:
-        import cProfile
-        import pstats
+    kinds = set() if args.store == "sqlite" else {args.store}
+    with running(kinds) as servers:
+        url = servers[args.store].url if kinds else ""
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-        asyncio.run(
-            _round(
-                args.requests, False, args.algorithm, args.concurrency, args.policy, args.clients
-            )
-        )
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-        return
-    cases = [False] if args.no_metrics else [False, True]
-    for with_metrics in cases:
-        best = min(
-            asyncio.run(
+        def one(with_metrics: bool) -> float:
+            return asyncio.run(
                 _round(
                     args.requests,
                     with_metrics,
@@ -129,12 +136,25 @@ def main() -> None:
                     args.concurrency,
                     args.policy,
                     args.clients,
+                    url,
                 )
             )
-            for _ in range(args.rounds)
-        )
-        label = "metrics on " if with_metrics else "metrics off"
-        print(f"{label}: {best:.1f} us CPU/request (best of {args.rounds})")
+
+        if args.profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            one(False)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+            return
+        cases = [False] if args.no_metrics else [False, True]
+        for with_metrics in cases:
+            best = min(one(with_metrics) for _ in range(args.rounds))
+            label = "metrics on " if with_metrics else "metrics off"
+            print(f"{label}: {best:.1f} us CPU/request (best of {args.rounds})")
     if not args.no_metrics:
         _increment_cost()
 
