@@ -6,15 +6,21 @@ that fit under every limit are allowed and the rest refused (an allowed hit
 only ever takes units, so once one is refused every later one is), so the
 server needs only the count n and answers with k and the state before them: a
 hot client costs one step of the server per batch, not one per request.
+
+Alike settles (the refunds of one client's requests of one rule, in one window)
+go as one settle of their summed units, where summing is exact: fixed and sliding
+windows count whole units, and units of one sign, settled one by one, end where
+their sum ends (a count is only clamped at zero, and only by refunds). A gcra
+settle moves a time in doubles, so gcra settles keep one entry each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from .algorithms import TAGS, Report, State, charge, fill_reports, fits, report
-from .base import Hit, Settle
+from .algorithms import GCRA, TAGS, Report, State, charge, fill_reports, fits, report
+from .base import Hit, Settle, Vacate
 
 __all__ = ["collapse_hits", "fill_decided", "fill_slots"]
 
@@ -26,21 +32,24 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
 
     Hits are alike when they name the same counters with the same amounts,
     windows, algorithms, bursts and cost, and the same concurrency slots with the
-    same caps. Hits whose counters or slots overlap without being alike (a rule
-    changed between hosts, another cost), or a counter a :class:`Settle` of the
-    batch names, keep one entry each, in arrival order.
+    same caps; alike settles, see the module docstring. An op joins the group of
+    alike ops before it (sent in the first one's place: hits as one entry with a
+    count, settles as one settle of their summed deltas) only if that group was the
+    last to touch each of its counters and slots, so every counter still sees its ops
+    in arrival order: a hot client's batch of hits, then settles, then hits goes as
+    three entries. Other ops touch no counter and keep their places.
     """
     sent: list[Op] = []
     alike: dict[int, list[Hit]] = {}
-    first: dict[tuple[Any, ...], int] = {}
-    owner: dict[str, tuple[Any, ...]] = {}
-    last: Hit | None = None  # the previous hit, and the group it joined
+    latest: dict[tuple[Any, ...], int] = {}  # each shape's last group, by its place in sent
+    touched: dict[str, int] = {}  # each counter's and slot's last group, by its place
+    last: Hit | None = None  # the previous op if a hit, and the group it joined
     last_group: list[Hit] = []
     for op in ops:
         if isinstance(op, Hit):
             # A hot client's batch is a run of alike hits, each with its own keys list
             # but its rule's amounts and windows (the same objects): compared with the
-            # previous hit without building its shape.
+            # previous op without building its shape.
             if (
                 last is not None
                 and (op.amounts is last.amounts or op.amounts == last.amounts)
@@ -64,25 +73,68 @@ def collapse_hits(ops: Sequence[Op]) -> tuple[list[Op], dict[int, list[Hit]]]:
                 None if op.slots is None else tuple(op.slots),
                 tuple(op.caps),
             )
-            at = first.get(shape)
-            if at is not None:
+            keys: Sequence[str] = (*op.keys, *op.slots) if op.slots else op.keys
+            at = latest.get(shape)
+            if at is not None and all(touched[key] == at for key in keys):
                 last, last_group = op, alike[at]
                 last_group.append(op)
                 continue
-            for key in (*op.keys, *(op.slots or ())):
-                if owner.setdefault(key, shape) != shape:
-                    return list(ops), {}  # a counter shared by unlike hits: one entry each
-            first[shape] = len(sent)
+            at = latest[shape] = len(sent)
             last, last_group = op, [op]
-            alike[len(sent)] = last_group
+            alike[at] = last_group
         elif isinstance(op, Settle):
-            # A settle between alike hits must stay between them: no collapsing across it.
-            mark = ("settle", len(sent))
-            for key in op.keys:
-                if owner.setdefault(key, mark) != mark:
-                    return list(ops), {}
+            last = None
+            keys = op.keys
+            settle_shape = _settle_shape(op)
+            if settle_shape is not None:
+                at = latest.get(settle_shape)
+                if at is not None and all(touched[key] == at for key in keys):
+                    sent[at] = cast(Op, _summed(cast(Settle, sent[at]), op))
+                    continue
+                latest[settle_shape] = len(sent)
+        elif isinstance(op, Vacate):
+            # A slot freed between two hits that may take it: they decide apart.
+            last = None
+            keys = op.slots
+        else:
+            sent.append(op)  # a claim, a save...: no counter, no slot
+            continue
+        for key in keys:
+            touched[key] = len(sent)
         sent.append(op)
     return sent, alike
+
+
+def _settle_shape(op: Settle) -> tuple[Any, ...] | None:
+    """What a settle must share with another to be summed with it, or None: never (a
+    gcra limit's)."""
+    algorithms = op.algorithms
+    if algorithms is not None and any(TAGS[a] == GCRA for a in algorithms):
+        return None
+    return (
+        "settle",
+        tuple(op.keys),
+        tuple(op.amounts),
+        tuple(op.windows),
+        None if algorithms is None else tuple(algorithms),
+        None if op.bursts is None else tuple(op.bursts),
+        tuple(op.stamps),
+        tuple(delta < 0 for delta in op.deltas),
+    )
+
+
+def _summed(first: Settle, then: Settle) -> Settle:
+    """One settle of both settles' units (alike: ``_settle_shape``), a new op: the ops
+    a caller submitted are never changed."""
+    return Settle(
+        first.keys,
+        first.amounts,
+        first.windows,
+        [a + b for a, b in zip(first.deltas, then.deltas, strict=True)],
+        first.stamps,
+        first.algorithms,
+        first.bursts,
+    )
 
 
 def fill_decided(

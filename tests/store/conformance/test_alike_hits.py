@@ -1,12 +1,15 @@
-"""A hot client's identical hits in one batch decide as if one by one, for every algorithm and cost.
+"""A hot client's identical hits in one batch decide as if one by one, for every algorithm
+and cost, and its settles in one batch count as if one by one.
 
 The network stores send a batch's alike hits (one rule, one client, one cost)
 as one entry with a count (porch/store/alike.py): the server decides how many
-fit in turn and answers each limit's state before them. Hypothesis draws a rule
-(one to three limits over the levels' keys, any algorithms), then batches of up
-to 16 identical hits of one cost at moments of a manual clock, between
-settles of earlier hits; every hit's verdict and reports must equal the
-reference model's, deciding them one by one, to the bit.
+fit in turn and answers each limit's state before them; a batch's alike settles
+go as one settle of their summed units. Hypothesis draws a rule (one to three
+limits over the levels' keys, any algorithms), then batches at moments of a
+manual clock, each one to three runs of up to 16 identical hits of one cost or
+up to 8 settles of earlier hits (refunds and charges); every hit's verdict and
+reports must equal the reference model's, deciding and settling them one by one
+in the batch's order, to the bit.
 """
 
 from __future__ import annotations
@@ -31,17 +34,18 @@ pytestmark = pytest.mark.anyio
 
 LEVELS = ("client:a", "org:1", "")
 STEPS = st.sampled_from([0.0, 0.05, 0.3, 0.5, 1.0, 1.3, 2.0, 4.5])
-# (the step, then a run of n alike hits of cost c; or a settle of an earlier hit by delta)
-BATCHES = st.lists(
+# A batch: the step, then one to three runs, each n alike hits of cost c, or settles
+# of earlier batches' hits (from the a-th on) by these deltas.
+RUNS = st.one_of(
+    st.tuples(st.just("hits"), st.integers(1, 16), st.integers(0, 3)),
     st.tuples(
-        STEPS,
-        st.one_of(
-            st.tuples(st.just("hits"), st.integers(1, 16), st.integers(0, 3)),
-            st.tuples(st.just("settle"), st.integers(0, 1 << 16), st.integers(-3, 6)),
-        ),
+        st.just("settles"),
+        st.integers(0, 1 << 16),
+        st.lists(st.integers(-3, 6), min_size=1, max_size=8),
     ),
-    min_size=3,
-    max_size=12,
+)
+BATCHES = st.lists(
+    st.tuples(STEPS, st.lists(RUNS, min_size=1, max_size=3)), min_size=3, max_size=12
 )
 _EXAMPLES = int(os.environ.get("PORCH_POLICY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -77,21 +81,26 @@ async def play(store: Store, clock: ManualClock, drawn: list[Any], batches: list
     ]
     model = Model()
     counted: list[tuple[Hit, Report]] = []
-    for dt, (kind, a, b) in batches:
+    for dt, runs in batches:
         clock.advance(dt)
         t = clock.monotonic()
-        if kind == "settle":
-            if counted:
-                hit, report = counted[a % len(counted)]
-                await asyncio.wait_for(store.apply([Settle.of(hit, hit.cost + b)]), 30)
-                model.settle(policies, b, report.stamp, t)
-            continue
-        hits = [hit_on(policies, b) for _ in range(a)]
-        await asyncio.wait_for(store.apply(hits), 30)
-        for i, hit in enumerate(hits):
-            want = model.hit(policies, b, t)
+        ops: list[Hit | Settle] = []
+        expected: list[tuple[Hit, Report, int]] = []
+        for kind, a, b in runs:
+            if kind == "hits":
+                for _ in range(a):
+                    hit = hit_on(policies, b)
+                    ops.append(hit)
+                    expected.append((hit, model.hit(policies, b, t), b))
+            elif counted:  # (the model decides in the batch's order, as the store must)
+                for i, delta in enumerate(b):
+                    hit, report = counted[(a + i) % len(counted)]
+                    ops.append(Settle.of(hit, hit.cost + delta))
+                    model.settle(policies, delta, report.stamp, t)
+        await asyncio.wait_for(store.apply(ops), 30)
+        for i, (hit, want, cost) in enumerate(expected):
             got = report_of(hit)
-            assert got == want, (i, len(hits), b, t, [(p.algorithm, p.amount) for p in policies])
+            assert got == want, (i, runs, cost, t, [(p.algorithm, p.amount) for p in policies])
             if hit.allowed:
                 counted.append((hit, want))
 
