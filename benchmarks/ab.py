@@ -2,6 +2,7 @@
 
     python benchmarks/ab.py [--base main] [--head REV] [--variants bare,limiter]
                             [--connections 1,64] [--rounds 3] [--duration 3]
+                            [--env NAME=VALUE ...]
 
 ``--variants`` names bench.py cases (benchmarks/cases.py: ``bare-post,idem-first``
 sends each case's requests), points of the keys curve (``keys-1,keys-1000000``:
@@ -19,7 +20,9 @@ variant, tree) is measured in each round, interleaved, each ratio taken against
 the bare app of the same round and connection count. Per request it also
 reports CPU microseconds of the event loop's thread and of the others (the
 SQLite writer), and cyclic-GC passes per 1000 requests, read as in
-benchmarks/cpu.py. Prints; writes nothing.
+benchmarks/cpu.py. ``--env NAME=VALUE`` sets a variable for this tree's servers only
+(``--base`` the same revision: a setting's A/B, such as ``BENCH_SWITCH_INTERVAL``; the
+baselines run without it). Prints; writes nothing.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ def measure(
     duration: int,
     tmp: Path,
     servers: dict[str, Any] | None = None,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(dir=tmp))
     env = {**case.env, "PYTHONPATH": f"{src}:{ROOT}"} if src is not None else dict(case.env)
+    env.update(extra or {})
     if case.redis and servers:
         env["BENCH_REDIS"] = servers[case.redis].url
     if case.postgres and servers:
@@ -115,7 +120,9 @@ def main() -> int:
     parser.add_argument("--connections", default="1,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=int, default=3)
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE, this tree only")
     args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.env)
     variants = args.variants.split(",")
     conns = [int(c) for c in args.connections.split(",")]
     runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
@@ -138,7 +145,8 @@ def main() -> int:
                     this = case(variant)
                     baseline = this.baseline == this.name
                     for tree, src in [t for t in order if t[0] == "this"] if baseline else order:
-                        r = measure(this, src, c, args.duration, tmp, servers)
+                        mine = extra if tree == "this" and not baseline else None
+                        r = measure(this, src, c, args.duration, tmp, servers, mine)
                         if baseline:
                             baselines[this.name] = r["rps"]
                         bare = baselines.get(this.baseline)

@@ -9,7 +9,9 @@ proxy hops (for runs that set a different forwarded client per request), and
 PostgreSQL-backed rows, and ``BENCH_IO_MS`` how long each handler awaits
 ``asyncio.sleep`` before it answers: a stand-in for a database query, so the
 ``-io`` rows show the ratio a user with a real app sees. ``BENCH_GC_FREEZE=1``: the
-app calls ``gc.freeze()`` once built (the ``-frozen`` rows).
+app calls ``gc.freeze()`` once built (the ``-frozen`` rows). ``BENCH_SWITCH_INTERVAL``:
+the server process's ``sys.setswitchinterval`` (seconds; Python's default is 0.005), how
+long a thread waits for the GIL before the one holding it is asked to let go.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -125,6 +128,9 @@ def create() -> Starlette:
     redis_url = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
     io = float(os.environ.get("BENCH_IO_MS", "0")) / 1000
     freeze = os.environ.get("BENCH_GC_FREEZE") == "1"
+    switch = os.environ.get("BENCH_SWITCH_INTERVAL")
+    if switch:
+        sys.setswitchinterval(float(switch))
     pools: list[KeyPool] = []
 
     def store() -> Store:
