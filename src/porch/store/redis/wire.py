@@ -5,9 +5,9 @@ redis-py's ``Pipeline`` runs each argument through its encoder into a buffer joi
 again per argument, and each command through the client's stack (response callbacks,
 retries, observability hooks). A store's commands need none of it: each is ``EVALSHA``
 of a loaded script (or an ``HMGET``) with bytes, str, int and float arguments, and
-every reply is taken raw. Packed here, a request that sends a command of its own costs
-11-25% less CPU (docs/benchmarks.md, "A Redis command's own CPU"); connecting, timeouts
-and reading replies stay redis-py's.
+every reply is taken raw. Packed here, each command costs the event loop less
+(docs/benchmarks.md, "A Redis command's own CPU"); connecting, timeouts and reading
+replies stay redis-py's.
 """
 
 from __future__ import annotations
