@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
 import re
 import ssl
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -462,6 +465,42 @@ def test_elapsed_window_serves_again_and_prunes(demo: DemoLauncher) -> None:
 
 
 # -- 4. the wall clock jumping grants nothing --------------------------------------------------
+
+
+_SPIN_TWO_THREADS = """
+import resource, threading, time
+def spin(until):
+    while time.monotonic() < until:
+        pass
+before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+until = time.monotonic() + 0.5
+other = threading.Thread(target=spin, args=(until,))
+other.start()
+spin(until)
+other.join()
+print(time.time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before)
+"""
+
+
+@pytest.mark.parametrize("offset", ["+2h", "-2h"])
+def test_the_faked_wall_clock_leaves_the_gil_alone(demo: DemoLauncher, offset: str) -> None:
+    # Catches: the harness preloading libfaketime so that CPython's GIL waits time out at
+    # once (demo_server.faketime_env): two threads that share the GIL for 0.5 s then
+    # switch some 17,000 times instead of a few hundred, and a server's threads starve
+    # one another on a busy machine (a demo took 33 s to start). Also that the wall
+    # clock really moves.
+    env = {**os.environ, **demo.faketime_env(offset)}
+    done = subprocess.run(
+        [sys.executable, "-c", _SPIN_TWO_THREADS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    wall, switches = done.stdout.split()
+    assert abs(float(wall) - time.time() - (7200 if offset == "+2h" else -7200)) < 60
+    assert int(switches) < 5000, f"{switches} voluntary context switches in 0.5 s"
 
 
 def test_wall_clock_jump_grants_nothing(demo: DemoLauncher) -> None:
