@@ -12,6 +12,8 @@ PostgreSQL-backed rows, and ``BENCH_IO_MS`` how long each handler awaits
 app calls ``gc.freeze()`` once built (the ``-frozen`` rows). ``BENCH_SWITCH_INTERVAL``:
 the server process's ``sys.setswitchinterval`` (seconds; Python's default is 0.005), how
 long a thread waits for the GIL before the one holding it is asked to let go.
+``BENCH_INLINE_OPS``: the SQLite store's ``INLINE_OPS`` in the server (how many hits of
+one loop iteration commit on the loop when the writer is idle; porch's default is 4).
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ def create() -> Starlette:
     switch = os.environ.get("BENCH_SWITCH_INTERVAL")
     if switch:
         sys.setswitchinterval(float(switch))
+    inline = os.environ.get("BENCH_INLINE_OPS")
+    if inline:
+        from porch.store.sqlite import writer
+
+        writer.INLINE_OPS = int(inline)
     pools: list[KeyPool] = []
 
     def store() -> Store:
