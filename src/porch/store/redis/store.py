@@ -213,8 +213,8 @@ class RedisStore:
 
     def _connect(self, max_connections: int) -> Redis:
         from redis.asyncio import BlockingConnectionPool, Redis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         pool = BlockingConnectionPool.from_url(
             self.url,
