@@ -7,7 +7,8 @@
 ``--variants`` names bench.py cases (benchmarks/cases.py: ``bare-post,idem-first``
 sends each case's requests), points of the keys curve (``keys-1,keys-1000000``:
 the limiter, N distinct forwarded clients) or plain app variants (GET /, against ``bare``). A
-baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``) is
+baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``, or
+the baseline of another listed case, such as ``bare-headers`` for ``limiter``) is
 measured on this tree only, and each other case's ratio is taken against its
 baseline of the same round. Cases on PostgreSQL or Redis (``limiter-postgres``,
 ``slowapi-redis``) get throwaway servers as in bench.py, fresh tables per run.
@@ -141,9 +142,12 @@ def main() -> int:
             order = trees if round_ % 2 == 0 else trees[::-1]
             for c in conns:
                 baselines: dict[str, float] = {}
+                references = {case(v).baseline for v in variants}
                 for variant in variants:
                     this = case(variant)
-                    baseline = this.baseline == this.name
+                    # A reference (``bare``, or ``bare-headers`` when a listed case is
+                    # measured against it) is porch-free: measured once, on this tree.
+                    baseline = this.baseline == this.name or this.name in references
                     for tree, src in [t for t in order if t[0] == "this"] if baseline else order:
                         mine = extra if tree == "this" and not baseline else None
                         r = measure(this, src, c, args.duration, tmp, servers, mine)
