@@ -7,10 +7,10 @@
 ``--variants`` names bench.py cases (benchmarks/cases.py: ``bare-post,idem-first``
 sends each case's requests), points of the keys curve (``keys-1,keys-1000000``:
 the limiter, N distinct forwarded clients) or plain app variants (GET /, against ``bare``). A
-baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``, or
-the baseline of another listed case, such as ``bare-headers`` for ``limiter``) is
-measured on this tree only, and each other case's ratio is taken against its
-baseline of the same round. Cases on PostgreSQL or Redis (``limiter-postgres``,
+baseline (a case that is its own baseline, such as ``bare`` or ``bare-post``) is
+measured on this tree only; every other case on both, and its ratio is taken
+against its baseline of the same round and tree (list the baseline first:
+``bare,bare-headers,limiter``). Cases on PostgreSQL or Redis (``limiter-postgres``,
 ``slowapi-redis``) get throwaway servers as in bench.py, fresh tables per run.
 
 The ``--base`` revision's ``src`` is exported (``git archive``) to a temporary
@@ -141,19 +141,20 @@ def main() -> int:
             # Which tree goes first alternates, so neither always has the warmer machine.
             order = trees if round_ % 2 == 0 else trees[::-1]
             for c in conns:
-                baselines: dict[str, float] = {}
-                references = {case(v).baseline for v in variants}
+                # Each tree's rps of every case measured so far this round: a case's
+                # ratio is to its baseline on the same tree (``limiter-settle`` to that
+                # tree's ``limiter``); a case that is its own baseline (``bare``) is
+                # porch-free, measured once, and stands for both.
+                measured: dict[tuple[str, str], float] = {}
                 for variant in variants:
                     this = case(variant)
-                    # A reference (``bare``, or ``bare-headers`` when a listed case is
-                    # measured against it) is porch-free: measured once, on this tree.
-                    baseline = this.baseline == this.name or this.name in references
-                    for tree, src in [t for t in order if t[0] == "this"] if baseline else order:
-                        mine = extra if tree == "this" and not baseline else None
+                    own = this.baseline == this.name
+                    for tree, src in [t for t in order if t[0] == "this"] if own else order:
+                        mine = extra if tree == "this" and not own else None
                         r = measure(this, src, c, args.duration, tmp, servers, mine)
-                        if baseline:
-                            baselines[this.name] = r["rps"]
-                        bare = baselines.get(this.baseline)
+                        for t in ("base", "this") if own else (tree,):
+                            measured[this.name, t] = r["rps"]
+                        bare = measured.get((this.baseline, tree))
                         r["ratio"] = r["rps"] / bare if bare else float("nan")
                         runs.setdefault((c, variant, tree), []).append(r)
                         print(
