@@ -71,8 +71,10 @@ logger = logging.getLogger("porch.store")
 CACHE_KIB = 16 << 10
 
 # Up to this many hits, a batch arriving while the writer is idle commits on the event
-# loop (durability="process" only): see SQLiteWriter.apply_then.
-INLINE_OPS = 4
+# loop (durability="process" only): see SQLiteWriter.apply_then. 16 against 4 bought 7%
+# at 16 connections and left 64 and 256 as they were; 64 bought no more and cost the
+# tail at 64 connections (benchmarks/ab.py --env BENCH_INLINE_OPS, docs/benchmarks.md).
+INLINE_OPS = 16
 
 # A busy writer counts the file's free pages on every this many transactions.
 _FREELIST_EVERY = 8
