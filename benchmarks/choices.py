@@ -77,4 +77,24 @@ reading the expired keys first and deleting each by its primary key. An IPv4 cli
 is about a third of the full-key row: 628 pages for 52k clients without the `expires`
 index, 1004 with it, against 1880 for the full text key with its index. Both measured in
 process, once; no script.
+
+### SQLite: how many hits commit on the event loop
+
+With `durability="process"`, the hits of one loop iteration that arrive while the writer
+is idle commit on the loop, up to `INLINE_OPS` of them (`porch/store/sqlite/writer.py`);
+more go to the writer thread. `python benchmarks/ab.py --base HEAD --variants
+bare,bare-headers,limiter --connections 16,64,256 --rounds 5 --duration 4 --env
+BENCH_INLINE_OPS=N` against the then cap of 4 (2026-12-04, a quiet machine, medians of 5
+interleaved rounds, `limiter` req/s):
+
+| cap | 16 connections | 64 connections | 256 connections | p99 at 64 |
+|---|---:|---:|---:|---:|
+| 4 (run of 16) | 14,769 | 18,308 | 17,642 | 7.74 ms |
+| 16 | 15,819 (+7%; every round +5 to +20%) | 18,453 (+1%) | 17,938 (+2%) | 6.79 ms |
+| 4 (run of 64) | 13,979 | 18,133 | 15,832 | 8.82 ms |
+| 64 | 15,601 (+12%) | 18,385 (+1%) | 16,994 (+7%: −3 to +14%) | 9.69 ms |
+
+At 64 connections neither cap moves the throughput (the loop's CPU bounds it either way;
+with the cap at 64 the writer's 4 µs a request move onto the loop). 16 keeps the gain at
+16 connections, and the loop's longest inline commit a quarter of 64's: 16, the default.
 """
