@@ -13,7 +13,8 @@ app calls ``gc.freeze()`` once built (the ``-frozen`` rows). ``BENCH_SWITCH_INTE
 the server process's ``sys.setswitchinterval`` (seconds; Python's default is 0.005), how
 long a thread waits for the GIL before the one holding it is asked to let go.
 ``BENCH_INLINE_OPS``: the SQLite store's ``INLINE_OPS`` in the server (how many hits of
-one loop iteration commit on the loop when the writer is idle; porch's default is 4).
+one loop iteration commit on the loop when the writer is idle; the default is that
+constant in ``porch/store/sqlite/writer.py``).
 """
 
 from __future__ import annotations
