@@ -97,4 +97,9 @@ interleaved rounds, `limiter` req/s):
 At 64 connections neither cap moves the throughput (the loop's CPU bounds it either way;
 with the cap at 64 the writer's 4 µs a request move onto the loop). 16 keeps the gain at
 16 connections, and the loop's longest inline commit a quarter of 64's: 16, the default.
+The rows with a second store operation a request, with 16 against 4 (`ab.py --base
+954c8a0 --variants bare,limiter,limiter-settle,limiter-concurrency --connections 16,64
+--rounds 3 --duration 4`, medians): `limiter-settle` 8,151 -> 8,768 req/s at 16
+connections (+8%), 9,678 -> 9,809 at 64 (+1%); `limiter-concurrency` 7,977 -> 9,332 at 16
+(+17%), 9,917 -> 9,364 at 64 (-6%; rounds -11%, +8%, -6%: within their spread).
 """
