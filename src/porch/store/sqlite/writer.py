@@ -70,10 +70,11 @@ logger = logging.getLogger("porch.store")
 # The writer's page cache (KiB): the hot part of a million counter rows.
 CACHE_KIB = 16 << 10
 
-# Up to this many hits, a batch arriving while the writer is idle commits on the event
-# loop (durability="process" only): see SQLiteWriter.apply_then. 16 against 4 bought 7%
-# at 16 connections and left 64 and 256 as they were; 64 bought no more and cost the
-# tail at 64 connections (benchmarks/ab.py --env BENCH_INLINE_OPS, docs/benchmarks.md).
+# Up to this many ops (hits, settles, a slot's vacate), a loop iteration's batch arriving
+# while the writer is idle commits on the event loop (durability="process" only): see
+# SQLiteWriter.apply_then. 16 against 4 bought 7% at 16 connections and left 64 and 256
+# as they were; 64 bought no more and cost the tail at 64 connections (benchmarks/ab.py
+# --env BENCH_INLINE_OPS, docs/benchmarks.md).
 INLINE_OPS = 16
 
 # A busy writer counts the file's free pages on every this many transactions.
