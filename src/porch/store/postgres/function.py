@@ -34,10 +34,9 @@ __all__ = ["APPLY_FUNCTION"]
 # usage slot it locked: usage (per scope), client_usage, usage_total.
 APPLY_FUNCTION = (
     r"""
--- PL/pgSQL, not SQL: its statements' plans are cached for the session. Generic
--- plans, always: by default the planner re-plans a statement with array
--- parameters on every call (measured: a quarter of the server's CPU per batch),
--- and every statement here reaches its rows through a key index anyway.
+-- PL/pgSQL, not SQL: its statements' plans are cached for the session. Every
+-- function's planner settings are schema.py's PLANNER: generic plans, no
+-- sequential scans, no JIT.
 
 -- Delete up to n expired stored responses (of one scope or client, or any), skipping
 -- rows another batch holds, and take their bytes off through the caller's slot;
@@ -45,7 +44,7 @@ APPLY_FUNCTION = (
 CREATE OR REPLACE FUNCTION {s}.prune_responses_v2(
     t float8, sl int, keep text, sc text, cl text, n int
 ) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     deleted bigint;
 BEGIN
@@ -81,7 +80,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION {s}.prune_claims_v1(
     t float8, sl int, keep text, sc text, cl text, n int
 ) RETURNS bigint LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     deleted bigint;
 BEGIN
@@ -118,7 +117,7 @@ CREATE OR REPLACE FUNCTION {s}.quota_over_v1(
     sc text, cl text, sz bigint, scap bigint, ccap bigint, tcap bigint,
     chs text[], chc text[], chb bigint[]
 ) RETURNS int LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     used bigint;
 BEGIN
@@ -156,7 +155,7 @@ CREATE OR REPLACE FUNCTION {s}.apply_v4(
     op int, code bigint, tok bigint, num float8, ns bigint[], ps bigint[], ss float8[],
     r_digest bytea, r_status int, r_headers text, r_body bytea
 ) LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     n int := coalesce(array_length(kinds, 1), 0);
     rkeys text[];
@@ -202,7 +201,9 @@ BEGIN
     FOR rec IN
         SELECT u.j, r.digest, r.status, r.headers, r.body
         FROM unnest(ckeys, cidx) u(k, j)
-        CROSS JOIN LATERAL (SELECT x.* FROM records x WHERE x.key = u.k) r
+        -- LIMIT 1 (the key is unique): a lookup per key, never a join the planner may
+        -- turn around into a scan of every live response.
+        CROSS JOIN LATERAL (SELECT x.* FROM records x WHERE x.key = u.k LIMIT 1) r
         WHERE r.status IS NOT NULL AND r.expires > t
           AND (r.lease_until IS NULL OR r.lease_until <= t)
           AND NOT (u.k = ANY (wkeys))

@@ -290,7 +290,7 @@ CREATE OR REPLACE FUNCTION {s}.hits_v2("""
     op int, code bigint, tok bigint, num float8, ns bigint[], ps bigint[], ss float8[]
 )
 LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     tc float8;"""
     + COUNTER_VARIABLES

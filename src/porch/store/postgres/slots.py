@@ -100,7 +100,7 @@ CREATE OR REPLACE FUNCTION {s}.slot_hits_v1("""
     sn bigint[], stok bigint[]
 )
 LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     tc float8;
     ts float8;
@@ -137,7 +137,7 @@ SLOT_LEASES_FUNCTION = r"""
 CREATE OR REPLACE FUNCTION {s}.slot_leases_v1(keys text[], tokens bigint[], lease float8)
 RETURNS TABLE (n int, ok bigint)
 LANGUAGE plpgsql SET search_path = {s}, pg_catalog
-    SET plan_cache_mode = force_generic_plan AS $fn$
+    {planner} AS $fn$
 DECLARE
     ts float8 := extract(epoch FROM clock_timestamp());
 BEGIN
