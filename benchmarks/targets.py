@@ -170,8 +170,14 @@ BOUNDS = """## What bounds the targets not met
   function call (its statements' executor start-up and the WAL flush; their
   plans are now generic, cached for the session, which took a quarter of its
   CPU per call off) and Redis's script runs. A new key costs two batches (the
-  claim, then the save). Replays: one claim per key is out at a time (every
-  other request for that key parks behind it and is answered with it), and a
+  claim, then the save); on PostgreSQL the server's CPU bounds it (about 224 µs
+  a first execution, shared with wrk, after plans that never scan a table whole
+  and the caps' figures read once a batch: "Design choices, measured"). Tried
+  and not kept, each A/B'd against the row: no NOTIFY with the saves (+4%), no
+  prune piggybacked on saving batches (+5%, inside the rounds' spread); what is
+  left is the function's own work per claim and save. Replays: one claim per
+  key is out at a time (every other request for that key parks behind it and is
+  answered with it), and a
   batch of replays takes no lock, writes nothing, skips the flush and returns
   right after its one read, so that claim's round trip bounds the row.
 
@@ -319,7 +325,9 @@ measured split between the event loop and the SQLite writer thread.
   per request spread every batch over all four) took 0.51× to 0.53-0.54×.
   Measured and not
   kept: taking the claim on the loop (0.53 -> 0.49× in one interleaved run: the
-  loop is the busy core); committing each drain at once instead of grouping
+  loop is the busy core; again on 20cf65a, its claims and lookups inline as the
+  limiter's hits are: 5,550 -> 5,276 req/s at 16 connections, 6,588 -> 6,292 at
+  64); committing each drain at once instead of grouping
   (0.43 -> 0.37× at 4 connections); a mypyc build of the hot modules (the
   in-process loop 23.3 -> 21.4 µs per decision, no change measurable under
   uvicorn, so no compiled build ships).
