@@ -26,6 +26,7 @@ from porch.store.postgres.schema import quote_schema
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
 ROWS = 5000
+WITHIN = 10.0  # seconds: the deadline of each statement of the test's own connection
 RESPONSE = StoredResponse(b"d", 201, ((b"content-type", b"text/plain"),), b"x" * 100)
 
 
@@ -35,7 +36,7 @@ async def conn(postgres_url: str, schema: str) -> AsyncIterator[Any]:
     store = PostgresStore(postgres_url, schema=schema)
     await store.open()
     await store.close()
-    conn = await asyncpg.connect(postgres_url)
+    conn = await asyncpg.connect(postgres_url, timeout=WITHIN, command_timeout=WITHIN)
     try:
         yield conn
     finally:
