@@ -35,7 +35,8 @@ off (`schema.py`'s `PLANNER`), the replay lookup is a `LIMIT 1` per key, and eac
 figure is read once a batch and kept up to date with the batch's own changes
 (`function.py`'s `_OVER`). `python benchmarks/ab.py --base <the commit before> --variants
 bare-post,idem-first-postgres,idem-replay-postgres --connections 64 --rounds 3 --duration
-4` (2026-12-05, medians of 3 interleaved rounds, req/s):
+4` (the first run with `bare,bare-headers,limiter-postgres` too; 2026-12-04, medians of 3
+interleaved rounds, req/s):
 
 | change (base) | idem-first-postgres | its rounds | idem-replay-postgres |
 |---|---:|---:|---:|
