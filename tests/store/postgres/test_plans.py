@@ -43,15 +43,29 @@ async def conn(postgres_url: str, schema: str) -> AsyncIterator[Any]:
         await conn.close()
 
 
-async def _scans(
-    conn: Any, schema: str, table: str, sql: str, args: Sequence[Any]
+async def _scans_after_growth(
+    conn: Any,
+    schema: str,
+    function: str,
+    arity: int,
+    table: str,
+    fill: str,
+    first: Sequence[Any],
+    second: Sequence[Any],
 ) -> tuple[int, int]:
-    """Sequential scans of ``table`` while ``sql`` runs (in a transaction rolled back),
-    and the rows its index scans fetched."""
+    """Run ``function`` with ``first`` on the empty tables (its plans made and cached),
+    add ROWS rows to ``table`` (``fill``: its columns and the SELECT of row ``i``; no
+    ANALYZE), then run it with ``second`` in a transaction rolled back: the sequential
+    scans of ``table`` meanwhile, and the rows its index scans fetched."""
+    s = quote_schema(schema)
+    marks = ", ".join(f"${n}" for n in range(1, arity + 1))
+    sql = f"SELECT * FROM {s}.{function}({marks})"
+    await conn.fetch(sql, *first)
+    await conn.execute(f"INSERT INTO {s}.{table} {fill} FROM generate_series(1, $1) i", ROWS)
     tx = conn.transaction()
     await tx.start()
     try:
-        await conn.fetch(sql, *args)
+        await conn.fetch(sql, *second)
         row = await conn.fetchrow(
             "SELECT seq_scan, idx_tup_fetch FROM pg_stat_xact_user_tables"
             " WHERE schemaname = $1 AND relname = $2",
@@ -76,39 +90,33 @@ def _batch(tag: str, stored: str) -> list[Op]:
 
 
 async def test_a_batch_of_claims_and_saves_scans_no_records_whole(conn: Any, schema: str) -> None:
-    s = quote_schema(schema)
-    sql = f"SELECT * FROM {s}.apply_v4(" + ", ".join(f"${n}" for n in range(1, 32)) + ")"
-
     def args(tag: str, stored: str) -> list[Any]:
         return arguments(_batch(tag, stored), {}, 3.0, 64, f"porch_claims_{schema}", None)
 
-    await conn.fetch(sql, *args("first", "first-stored"))  # on an empty table: plans cached
-    await conn.execute(
-        f"INSERT INTO {s}.records (key, digest, status, headers, body, size, expires)"
-        " SELECT 'filler-' || i, '\\x00', 200, '[]', '\\x00', 0,"
-        " extract(epoch FROM clock_timestamp()) + 3600 FROM generate_series(1, $1) i",
-        ROWS,
+    fill = (
+        "(key, digest, status, headers, body, size, expires) SELECT 'filler-' || i, '\\x00',"
+        " 200, '[]', '\\x00', 0, extract(epoch FROM clock_timestamp()) + 3600"
     )
-    scans, fetched = await _scans(conn, schema, "records", sql, args("second", "filler-7"))
+    first, second = args("first", "first-stored"), args("second", "filler-7")
+    scans, fetched = await _scans_after_growth(
+        conn, schema, "apply_v4", 31, "records", fill, first, second
+    )
     assert scans == 0
     assert fetched < ROWS // 10  # the batch's own rows, never every live response
 
 
 async def test_a_batch_of_hits_scans_no_counters_whole(conn: Any, schema: str) -> None:
-    s = quote_schema(schema)
-    sql = f"SELECT * FROM {s}.hits_v2(" + ", ".join(f"${n}" for n in range(1, 14)) + ")"
-
     def args(tag: str, shared: str) -> list[Any]:
         hits = [Hit([f"{tag}-{i}", shared], [10, 1000], [60.0, 60.0]) for i in range(8)]
         return hit_arguments(hits, {}, 64, None)
 
-    await conn.fetch(sql, *args("first", "first-shared"))
-    await conn.execute(
-        f"INSERT INTO {s}.counters (key, count, window_start, expires)"
+    fill = (
+        "(key, count, window_start, expires)"
         " SELECT 'filler-' || i, 1, 0, extract(epoch FROM clock_timestamp()) + 3600"
-        " FROM generate_series(1, $1) i",
-        ROWS,
     )
-    scans, fetched = await _scans(conn, schema, "counters", sql, args("second", "filler-3"))
+    first, second = args("first", "first-shared"), args("second", "filler-3")
+    scans, fetched = await _scans_after_growth(
+        conn, schema, "hits_v2", 13, "counters", fill, first, second
+    )
     assert scans == 0
     assert fetched < ROWS // 10
