@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,42 @@ def free_port() -> int:
 def pin(cpu: int) -> list[str]:
     """Server on CPU 0, load (and Redis) on CPU 1, where there are two."""
     return ["taskset", "-c", str(cpu)] if TWO_CPUS else []
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every descendant alive now."""
+    found = [pid]
+    for tid in _listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
+                found += _tree(int(child))
+    return found
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process of the trees under ``pids``."""
+    spent: dict[int, float] = {}
+    for root in pids:
+        for pid in _tree(root):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                spent[pid] = (int(fields[11]) + int(fields[12])) / TICK
+    return spent
+
+
+def used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two samples (processes in both, and those born since)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 def _get(url: str) -> dict[str, Any]:

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import re
 import secrets
 import shutil
@@ -40,14 +39,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, Server, machine, versions, wrk_failed
+from _harness import ROOT, Server, cpu_seconds, machine, used, versions, wrk_failed
 from _stores import Running, running
 
 STORES = ("sqlite", "postgres", "redis", "redis-cluster", "postgres-2")  # (_stores.running)
 PROCESSES = (1, 2, 4)
 CONNECTIONS = 64  # in all, split between the processes
 CLIENTS = 1_000_000
-_TICK = os.sysconf("SC_CLK_TCK")
 
 # Every request a client of its own, drawn from a million (X-Forwarded-For, trusted).
 LUA = f"""
@@ -59,39 +57,6 @@ request = function()
   return wrk.format("GET", "/", {{["X-Forwarded-For"] = ip}})
 end
 """
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every descendant alive now."""
-    found = [pid]
-    for tid in _listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
-                found += _tree(int(child))
-    return found
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of each process of the trees under ``pids``."""
-    spent: dict[int, float] = {}
-    for root in pids:
-        for pid in _tree(root):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                spent[pid] = (int(fields[11]) + int(fields[12])) / _TICK
-    return spent
-
-
-def used(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds spent between two samples (processes in both, and those born since)."""
-    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
 @contextlib.contextmanager

@@ -10,7 +10,10 @@ and the SQLite writer thread are reported apart, in microseconds of CPU per requ
 (PostgreSQL's and Redis's drivers run on the event loop: their work is in its column),
 and the pool's statistics give the store round trips per request (SQLite
 transactions, PostgreSQL function calls, Redis pipelines). With the server on one
-core, the threads' sum is what sets the throughput. It also counts the collections
+core, the threads' sum is what sets the throughput. The store server's CPU per
+request (PostgreSQL's processes, every backend and background one; redis-server) is
+read the same way: it runs on the load's core, and bounds a row whose app core is not
+busy. It also counts the collections
 of CPython's cyclic garbage collector per 1000 requests (per generation), which a
 request that waits across loop iterations brings on. Writes benchmarks/cpu.json.
 """
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, Server, load, machine, versions
+from _harness import ROOT, TICK, Server, cpu_seconds, load, machine, used, versions
 from _stores import store_servers
 from cases import CASES, Case
 
@@ -47,8 +50,6 @@ ROWS = (
     "bare-post",
     *(f"idem-{kind}{store}" for store in STORES for kind in ("first", "replay")),
 )
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[float, float, int]]:
@@ -83,15 +84,22 @@ def measure(case: Case, duration: int, tmp: Path, servers: dict[str, Any]) -> di
     if case.postgres:
         env["BENCH_POSTGRES"] = servers["postgres"].url
         env["BENCH_SCHEMA"] = data.name.replace("-", "_").lower()  # fresh tables per run
+    # The store server's processes (PostgreSQL: the postmaster and its children, every
+    # backend and background worker; Redis: redis-server), on the load's CPU.
+    store_pids: list[int] = []
+    if case.postgres:
+        store_pids = [servers["postgres"].pid()]
+    elif case.redis:
+        store_pids = [servers[case.redis].proc.pid]
     server = Server(case.variant, data, env=env)
     path, lua = case.path, case.lua
     try:
         load(server.url, path, lua, connections=64, duration=1, tmp=tmp)
         pid = server.pids()[0]
         stats_before = server.stats()
-        before = thread_cpu(pid)
+        before, store_before = thread_cpu(pid), cpu_seconds(store_pids)
         result = load(server.url, path, lua, connections=64, duration=duration, tmp=tmp)
-        after = thread_cpu(pid)
+        after, store_after = thread_cpu(pid), cpu_seconds(store_pids)
         stats_after = server.stats()
     finally:
         server.stop()
@@ -125,6 +133,9 @@ def measure(case: Case, duration: int, tmp: Path, servers: dict[str, Any]) -> di
         "rps": round(result["rps"], 1),
         "cpu_us": round(total, 1),
         "round_trips": round(trips / n, 4),
+        "store_server_us": round(used(store_before, store_after) * 1e6 / n, 1)
+        if store_pids
+        else None,
         "threads": threads,
         "gc_per_1000_requests": gc_per_1000,
     }

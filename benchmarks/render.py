@@ -220,12 +220,15 @@ def cpu_text(cpu: dict[str, Any]) -> list[str]:
         "request (SQLite transactions, PostgreSQL function calls, Redis pipelines, from the "
         "pool's statistics). The server has one core, so the total sets the throughput. "
         "PostgreSQL's and Redis's drivers run on the event loop: their work is in its column "
-        "(the store writer's column is SQLite's writer thread).",
+        "(the store writer's column is SQLite's writer thread). The store server's column is "
+        "the CPU of the PostgreSQL or Redis server's processes per request (every backend "
+        "and background process; on the load's core, not the app's): what bounds a row "
+        "whose app core is not busy.",
         "",
         "| row | req/s | event loop µs (user + sys) | store writer µs (user + sys) "
         "| store helpers µs | total µs / request | store round trips / request "
-        "| GC passes / 1000 requests (gen 0, 1, 2) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| store server µs / request | GC passes / 1000 requests (gen 0, 1, 2) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in cpu["cases"]:
         cells = {"event loop": "–", "store writer": "–", "store helpers": "–"}
@@ -238,10 +241,12 @@ def cpu_text(cpu: dict[str, Any]) -> list[str]:
         for name, (user, system) in sums.items():
             cells[name] = f"{user + system:.1f} ({user:.1f} + {system:.1f})"
         trips = row.get("round_trips")
+        server = row.get("store_server_us")
         lines.append(
             f"| {row['case']} | {row['rps']:,.0f} | {cells['event loop']} "
             f"| {cells['store writer']} | {cells['store helpers']} | {row['cpu_us']:.1f} "
             f"| {'–' if trips is None else f'{trips:.3f}'} "
+            f"| {'–' if server is None else f'{server:.1f}'} "
             f"| {', '.join(f'{g:g}' for g in row.get('gc_per_1000_requests', []))} |"
         )
     return [*lines, ""]
