@@ -280,6 +280,45 @@ async def test_quota_caps_the_whole_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_one_batch_counts_its_own_bytes_in_order(tmp_path: Path) -> None:
+    # As on PostgreSQL (tests/store/postgres/test_schema.py): a claim's reservation sees
+    # what the batch's earlier releases freed and earlier saves took, and nothing later.
+    # (Claims and writes on different keys: the batch reads and writes each in bulk.)
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=240)
+
+        def mine(key: str) -> Claim:
+            return Claim(key, scope="a", client="c", quota=quota, reserve=200)
+
+        def sized(n: int) -> StoredResponse:
+            return StoredResponse(b"d", 200, (), b"x" * n)
+
+        held = mine("a1")
+        await store.apply([held])
+        assert held.token > 0  # 200 of the client's 240, committed
+        early = mine("a2")  # 400: over
+        release = Release("a1", held.token, scope="a", client="c")  # 0
+        late = mine("a3")  # 200
+        await store.apply([early, release, late])
+        assert (early.over, release.released, late.token > 0) == ("client", True, True)
+        # A save replaces its claim's reservation by its size (~23) before the next claim.
+        saved = Save("a3", sized(20), 60.0, token=late.token, scope="a", client="c", quota=quota)
+        after = mine("a4")  # 223
+        await store.apply([saved, after])
+        assert (saved.outcome, after.token > 0) == ("saved", True)
+        await store.apply([Release("a4", after.token, scope="a", client="c")])  # 23
+        # A save's new bytes count before a later claim, whose reservation then passes.
+        taken = Save("a5", sized(20), 60.0, scope="a", client="c", quota=quota)  # 46
+        refused = mine("a6")  # 246: over
+        await store.apply([taken, refused])
+        assert (taken.outcome, refused.token, refused.over) == ("saved", 0, "client")
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
 async def test_watch_wakes_when_the_holder_releases_and_cancel_silences_it(
     stores: tuple[SQLiteStore, SQLiteStore],
 ) -> None:

@@ -31,7 +31,7 @@ from ..base import (
 )
 from .claims import SQLiteClaims
 from .counters import apply_counters, apply_lone_hit, prune_counters
-from .saves import Bodies, Heads, Usage, apply_writes, chunks
+from .saves import Bodies, Heads, Usage, Writes, apply_writes, chunks
 from .slots import SQLiteSlots
 
 __all__ = ["apply_batch", "prune_expired"]
@@ -119,10 +119,28 @@ def apply_batch(
             elif type(op) is Save or type(op) is Release:
                 apply_writes(conn, [op], now, wall, claims, bodies, heads, usage)
     else:
-        if reads:
-            _apply_reads(conn, reads, now, claims, bodies, usage)
-        if writes:
-            apply_writes(conn, writes, now, wall, claims, bodies, heads, usage)
+        # Reads in one SELECT, response rows in one executemany. Ops on different keys
+        # still share the quotas' figures, so those are decided in arrival order: a
+        # claim's reservation counts what an earlier release freed or save took (as on
+        # PostgreSQL and Redis), never what a later one did.
+        taken = _answer_reads(conn, reads, now, claims, bodies) if reads else []
+        if not writes:
+            _grant(conn, [op for op in taken if _reserved(op, usage, claims)], claims)
+        else:
+            batch = Writes(now, wall, claims, bodies, heads, usage)
+            granted: list[Claim] = []
+            for op in ops if taken else writes:
+                if type(op) is Save or type(op) is Release:
+                    batch.add(op)
+                elif (  # one of the claims taken above
+                    type(op) is Claim
+                    and not op.held
+                    and op.stored is None
+                    and _reserved(op, usage, claims)
+                ):
+                    granted.append(op)
+            batch.write(conn)
+            _grant(conn, granted, claims)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
@@ -147,6 +165,19 @@ def _apply_reads(
     bodies: Bodies | None,
     usage: Usage,
 ) -> None:
+    taken = _answer_reads(conn, reads, now, claims, bodies)
+    _grant(conn, [op for op in taken if _reserved(op, usage, claims)], claims)
+
+
+def _answer_reads(
+    conn: sqlite3.Connection,
+    reads: list[Claim | Lookup],
+    now: float,
+    claims: SQLiteClaims,
+    bodies: Bodies | None,
+) -> list[Claim]:
+    """Answer the lookups, and the claims held elsewhere or answered from the store; the
+    claims whose keys this transaction took, in order, still to reserve and grant."""
     keys: list[str] = []
     for op in reads:
         if type(op) is Claim and not claims.take(op.key):
@@ -154,7 +185,7 @@ def _apply_reads(
             continue
         keys.append(op.key)
     found = _select_responses(conn, keys, now, bodies) if keys else {}
-    claimed: list[Claim] = []
+    taken: list[Claim] = []
     for op in reads:
         if type(op) is Lookup:
             op.result = found.get(op.key)
@@ -163,18 +194,28 @@ def _apply_reads(
             if stored is not None:
                 op.stored = stored
                 claims.end(op.key)  # nothing to own: answered from the store
-            elif (
-                op.quota is not None
-                and op.reserve > 0
-                and (over := usage.reserve(op.key, op.scope, op.client, op.reserve, op.quota))
-            ):
-                op.over = over
-                claims.end(op.key)  # its response could not be stored: not taken
             else:
-                claimed.append(op)
-    if claimed:
-        first = _next_tokens(conn, len(claimed), claims)
-        for i, op in enumerate(claimed):
+                taken.append(op)
+    return taken
+
+
+def _reserved(op: Claim, usage: Usage, claims: SQLiteClaims) -> bool:
+    """Whether the claim ``op`` took keeps it: True once its quota's room (if any) is
+    reserved; False, its key given back, when a cap refuses it."""
+    if op.quota is None or op.reserve <= 0:
+        return True
+    over = usage.reserve(op.key, op.scope, op.client, op.reserve, op.quota)
+    if over is None:
+        return True
+    op.over = over
+    claims.end(op.key)  # its response could not be stored: not taken
+    return False
+
+
+def _grant(conn: sqlite3.Connection, granted: list[Claim], claims: SQLiteClaims) -> None:
+    if granted:
+        first = _next_tokens(conn, len(granted), claims)
+        for i, op in enumerate(granted):
             op.token = first + i
             claims.grant(op.key, op.token)
 

@@ -18,6 +18,7 @@ __all__ = [
     "Bodies",
     "Heads",
     "Usage",
+    "Writes",
     "apply_writes",
     "chunks",
     "has_blob",
@@ -126,7 +127,7 @@ class Usage:
         self.claims = claims
         # ("s", scope) / ("c", client) / ("t", ""): bytes in the tables when read.
         self.read: dict[tuple[str, str], int] = {}
-        # Bytes of response rows admitted but not written yet (apply_writes' executemany).
+        # Bytes of response rows admitted but not written yet (Writes.write).
         self.pending: dict[tuple[str, str], int] = {}
         self.reclaimed = False
 
@@ -212,6 +213,81 @@ _TOTAL_BYTES = "SELECT bytes FROM response_total"
 _SELECT_RESERVATION = "SELECT scope, client, size FROM reservations WHERE key = ?"
 
 
+class Writes:
+    """A batch's saves and releases: each decided as it comes (fences, reservations freed,
+    quotas), the response rows written together by :meth:`write`."""
+
+    __slots__ = ("claims", "heads", "now", "placed", "rows", "usage", "wall")
+
+    def __init__(
+        self,
+        now: float,
+        wall: float,
+        claims: SQLiteClaims,
+        bodies: Bodies | None,
+        heads: Heads | None,
+        usage: Usage,
+    ) -> None:
+        self.now = now
+        self.wall = wall
+        self.claims = claims
+        self.placed = {} if bodies is None else bodies.placed
+        self.heads = heads
+        self.usage = usage
+        self.rows: list[tuple[Any, ...]] = []
+
+    def add(self, op: Save | Release) -> None:
+        claims, usage = self.claims, self.usage
+        if type(op) is Release:
+            op.released = claims.current(op.key, op.token)
+            if op.released:
+                usage.free(op.key)
+            return
+        if type(op) is not Save:  # pragma: no cover - only Save and Release are writes
+            return
+        if op.token:
+            if not claims.current(op.key, op.token):
+                op.outcome = "fenced"  # a newer claim exists: never overwrite its response
+                return
+            usage.free(op.key)  # the claim's reservation: replaced by the response's size
+        response = op.response
+        headers = headers_json(response.headers, self.heads)
+        size = op.size
+        if op.quota is not None:
+            if usage.admit(op.scope, op.client, size, op.quota) is not None:
+                op.outcome = "quota"
+                return
+            usage.will_write(op.scope, op.client, size)
+        body = response.body
+        blob = self.placed.get(id(op))
+        if blob is not None:
+            body = b""  # committed in the side file before this batch came
+        elif response.parts is not None:
+            blob = response.parts.id  # streamed to the side file in parts, and kept
+        now = self.now
+        self.rows.append(
+            (
+                op.key,
+                bytearray(response.digest),
+                response.status,
+                headers,
+                bytearray(body) if len(body) <= _COPY_BELOW else body,
+                now,
+                now + op.ttl,
+                self.wall,
+                op.scope,
+                op.client,
+                size,
+                blob,
+            )
+        )
+        op.outcome = "saved"
+
+    def write(self, conn: sqlite3.Connection) -> None:
+        if self.rows:
+            conn.executemany(_UPSERT_RESPONSE, self.rows)
+
+
 def apply_writes(
     conn: sqlite3.Connection,
     writes: list[Save | Release],
@@ -224,51 +300,7 @@ def apply_writes(
 ) -> None:
     if usage is None:
         usage = Usage(conn, now, claims)
-    placed = {} if bodies is None else bodies.placed
-    rows: list[tuple[Any, ...]] = []
+    batch = Writes(now, wall, claims, bodies, heads, usage)
     for op in writes:
-        if type(op) is Release:
-            op.released = claims.current(op.key, op.token)
-            if op.released:
-                usage.free(op.key)
-            continue
-        if type(op) is not Save:  # pragma: no cover - only Save and Release are writes
-            continue
-        if op.token:
-            if not claims.current(op.key, op.token):
-                op.outcome = "fenced"  # a newer claim exists: never overwrite its response
-                continue
-            usage.free(op.key)  # the claim's reservation: replaced by the response's size
-        response = op.response
-        headers = headers_json(response.headers, heads)
-        size = op.size
-        if op.quota is not None:
-            if usage.admit(op.scope, op.client, size, op.quota) is not None:
-                op.outcome = "quota"
-                continue
-            usage.will_write(op.scope, op.client, size)
-        body = response.body
-        blob = placed.get(id(op))
-        if blob is not None:
-            body = b""  # committed in the side file before this batch came
-        elif response.parts is not None:
-            blob = response.parts.id  # streamed to the side file in parts, and kept
-        rows.append(
-            (
-                op.key,
-                bytearray(response.digest),
-                response.status,
-                headers,
-                bytearray(body) if len(body) <= _COPY_BELOW else body,
-                now,
-                now + op.ttl,
-                wall,
-                op.scope,
-                op.client,
-                size,
-                blob,
-            )
-        )
-        op.outcome = "saved"
-    if rows:
-        conn.executemany(_UPSERT_RESPONSE, rows)
+        batch.add(op)
+    batch.write(conn)
