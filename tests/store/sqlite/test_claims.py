@@ -13,7 +13,7 @@ import pytest
 
 from porch.clock import ManualClock
 from porch.errors import StoreError
-from porch.store.base import Claim, Hit, Quota, Release, Save, StoredResponse
+from porch.store.base import Claim, Hit, Lookup, Quota, Release, Save, StoredResponse
 from porch.store.sqlite import SQLiteStore
 from porch.store.sqlite.claims import KeyLocks, SQLiteClaims, ofd_locks_available
 from support import spin, until
@@ -314,6 +314,31 @@ async def test_one_batch_counts_its_own_bytes_in_order(tmp_path: Path) -> None:
         refused = mine("a6")  # 246: over
         await store.apply([taken, refused])
         assert (taken.outcome, refused.token, refused.over) == ("saved", 0, "client")
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_saved_row_counts_once_after_a_reclaim_in_its_batch(tmp_path: Path) -> None:
+    # A key both read and written keeps its batch in arrival order, its saves' rows written
+    # one op at a time; a reclaim later in the batch reads the figures again from tables
+    # that already hold those rows.
+    quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=240)
+    gone = SQLiteStore(tmp_path)
+    await gone.open()
+    await gone.apply([Claim("z", scope="a", client="c", quota=quota, reserve=30)])
+    await gone.close()  # its lock dropped, its reservation left: a dead holder's (30)
+    store = SQLiteStore(tmp_path)
+    await store.open()
+    try:
+        held = Claim("x", scope="a", client="c", quota=quota, reserve=100)
+        await store.apply([held])  # 130
+        body = StoredResponse(b"d", 200, (), b"x" * 20)
+        saved = Save("x", body, 60.0, token=held.token, scope="a", client="c", quota=quota)
+        after = Claim("y", scope="a", client="c", quota=quota, reserve=200)
+        # 30 + 22 + 200 passes the cap: z's 30 reclaimed, 22 + 200 fits.
+        await store.apply([saved, Lookup("x"), after])
+        assert (saved.outcome, saved.size, after.token > 0, after.over) == ("saved", 22, True, None)
     finally:
         await store.close()
 

@@ -155,6 +155,15 @@ class Usage:
         for bucket in (("s", scope), ("c", client), ("t", "")):
             self.pending[bucket] = self.pending.get(bucket, 0) + size
 
+    def wrote(self) -> None:
+        """The admitted rows were written: the tables count them now, so a figure read
+        again (after a reclaim) must not count them a second time."""
+        read = self.read
+        for bucket, size in self.pending.items():
+            if bucket in read:
+                read[bucket] += size
+        self.pending.clear()
+
     def _over(self, scope: str, client: str, size: int, quota: Quota) -> QuotaBucket | None:
         if self._get(("s", scope)) + size > quota.scope_bytes:
             return "scope"
@@ -286,6 +295,7 @@ class Writes:
     def write(self, conn: sqlite3.Connection) -> None:
         if self.rows:
             conn.executemany(_UPSERT_RESPONSE, self.rows)
+            self.usage.wrote()
 
 
 def apply_writes(
