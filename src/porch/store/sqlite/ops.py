@@ -129,15 +129,11 @@ def apply_batch(
         else:
             batch = Writes(now, wall, claims, bodies, heads, usage)
             granted: list[Claim] = []
+            pending = {id(op) for op in taken}  # neither held elsewhere nor answered stored
             for op in ops if taken else writes:
                 if type(op) is Save or type(op) is Release:
                     batch.add(op)
-                elif (  # one of the claims taken above
-                    type(op) is Claim
-                    and not op.held
-                    and op.stored is None
-                    and _reserved(op, usage, claims)
-                ):
+                elif type(op) is Claim and id(op) in pending and _reserved(op, usage, claims):
                     granted.append(op)
             batch.write(conn)
             _grant(conn, granted, claims)
