@@ -40,11 +40,16 @@ from .hits import (
 
 __all__ = ["SLOTS_FUNCTION", "SLOT_LEASES_FUNCTION", "SlotArrays", "fill_slot_hits"]
 
-# After the counters: each slot key's advisory lock, in one order (a hash collision
-# only makes two keys share a lock), then its live slots.
+# After the counters: the vacated rows, then each slot key's advisory lock, in one order
+# (a hash collision only makes two keys share a lock), then its live slots. Slot rows
+# are always locked in (key, token) order, here and by the heartbeat (slot_leases_v1):
+# a batch vacating a request's slot while the heartbeat renews it, each in its own
+# order, deadlocked (measured, limiter-concurrency-postgres: PostgreSQL aborted one
+# after its deadlock_timeout, and that round's p99 was a second).
 _LOCK_SLOTS = r"""
-    FOR q IN 1 .. coalesce(array_length(vkeys, 1), 0) LOOP  -- vacates: a row each, by key
-        DELETE FROM slots s WHERE s.key = vkeys[q] AND s.token = vtokens[q];
+    FOR v IN SELECT u.n FROM unnest(vkeys, vtokens) WITH ORDINALITY u(k, t, n)
+            ORDER BY u.k COLLATE "C", u.t LOOP
+        DELETE FROM slots s WHERE s.key = vkeys[v] AND s.token = vtokens[v];
     END LOOP;
     FOR sk IN SELECT u.k FROM unnest(skeys) u(k) ORDER BY hashtext(u.k), u.k COLLATE "C" LOOP
         PERFORM pg_advisory_xact_lock(hashtext('porch-slots:{s}'), hashtext(sk));
@@ -105,6 +110,7 @@ DECLARE
     tc float8;
     ts float8;
     sk text;
+    v int;
     sused bigint[];"""
     + COUNTER_VARIABLES
     + r"""
@@ -132,7 +138,8 @@ $fn$;
 
 # The heartbeat's side: renew slots this process holds (lease: seconds from now), or
 # end them (lease NULL). A lapsed slot is not renewed: another request may hold its
-# place now. One row per slot, in order: renewed (1) or not (0).
+# place now. One row per slot, numbered by its place in the arrays: renewed (1) or not
+# (0). Rows in (key, token) order, as a batch's vacates (_LOCK_SLOTS).
 SLOT_LEASES_FUNCTION = r"""
 CREATE OR REPLACE FUNCTION {s}.slot_leases_v1(keys text[], tokens bigint[], lease float8)
 RETURNS TABLE (n int, ok bigint)
@@ -140,8 +147,10 @@ LANGUAGE plpgsql SET search_path = {s}, pg_catalog
     {planner} AS $fn$
 DECLARE
     ts float8 := extract(epoch FROM clock_timestamp());
+    q int;
 BEGIN
-    FOR q IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+    FOR q IN SELECT u.n FROM unnest(keys, tokens) WITH ORDINALITY u(k, t, n)
+            ORDER BY u.k COLLATE "C", u.t LOOP
         IF lease IS NULL THEN
             DELETE FROM slots s WHERE s.key = keys[q] AND s.token = tokens[q];
         ELSE
