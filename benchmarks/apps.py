@@ -151,11 +151,14 @@ def create() -> Starlette:
         if variant.endswith("-postgres"):
             from porch.store.postgres import PostgresStore
 
-            depth = os.environ.get("BENCH_PG_IN_FLIGHT")  # for A/B of the depth
+            # For A/Bs of the pool's depth and width (ab.py --env).
+            depth = os.environ.get("BENCH_PG_IN_FLIGHT")
+            width = os.environ.get("BENCH_PG_CONNECTIONS")
             return PostgresStore(
                 os.environ["BENCH_POSTGRES"],
                 schema=os.environ.get("BENCH_SCHEMA", "porch"),
                 **({"in_flight": int(depth)} if depth else {}),
+                **({"connections": int(width)} if width else {}),
             )
         if variant.endswith("-redis"):
             from porch.store.redis import RedisStore
