@@ -17,8 +17,9 @@ and its live slots counted; then, for each hit, the alike hits it stands for
 are capped at the free slots *before* its limits are read (a request without a
 slot consumes no rate), and the slots of those its limits let through are
 inserted *after* (a request a rate limit refuses takes no slot). Vacates
-delete their rows first. A batch that also holds claims or saves sends those
-to ``apply_v4`` in a second call.
+delete their rows first, in (key, token) order, the heartbeat's order too. A
+batch that also holds claims or saves sends those to ``apply_v4`` in a second
+call.
 """
 
 from __future__ import annotations
