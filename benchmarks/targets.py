@@ -170,12 +170,24 @@ BOUNDS = """## What bounds the targets not met
   function call (its statements' executor start-up and the WAL flush; their
   plans are now generic, cached for the session, which took a quarter of its
   CPU per call off) and Redis's script runs. A new key costs two batches (the
-  claim, then the save); on PostgreSQL the server's CPU bounds it (about 224 µs
-  a first execution, shared with wrk, after plans that never scan a table whole
-  and the caps' figures read once a batch: "Design choices, measured"). Tried
-  and not kept, each A/B'd against the row: no NOTIFY with the saves (+4%), no
-  prune piggybacked on saving batches (+5%, inside the rounds' spread); what is
-  left is the function's own work per claim and save. Replays: one claim per
+  claim, then the save). On PostgreSQL, after plans that never scan a table
+  whole and the caps' figures read once a batch ("Design choices, measured"),
+  neither core is busy through (2026-12-05: CPU 0 about 60%, CPU 1 about 80%
+  with wrk): the server's CPU is 147 µs a first execution and the app's 163 µs
+  (the per-request table, its store server column), and a request
+  waits for two batches in turn on the four connections, each batch's function
+  run sharing CPU 1 with the others and with wrk. Tried and not kept, each
+  A/B'd against the row: no NOTIFY with the saves (+4%), no prune piggybacked
+  on saving batches (+5%, inside the rounds' spread), a new key's claim
+  inserting its row claimed instead of an empty row then an update (no change:
+  4,217 -> 4,197 req/s), 8 connections instead of 4 (-3%), 2 (+11% alone; -5%
+  in a run beside the limiter rows, which lost 13%: not a default to change on
+  a store server that shares a core with the load), `synchronous_commit` off
+  (an experiment, not a setting porch would make: +7 to +19%, so the WAL flush
+  is now part of each batch's wait). On Redis the app's loop is the bound (161
+  µs a first execution; redis-server 91 µs); hiredis, redis-py's C
+  reply parser, did not change it (-4% on idem-first-redis, +3% on
+  limiter-redis, inside the spread). Replays: one claim per
   key is out at a time (every other request for that key parks behind it and is
   answered with it), and a
   batch of replays takes no lock, writes nothing, skips the flush and returns
