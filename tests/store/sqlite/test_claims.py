@@ -309,7 +309,7 @@ async def test_one_batch_counts_its_own_bytes_in_order(tmp_path: Path) -> None:
         await store.apply([saved, after])
         assert (saved.outcome, after.token > 0) == ("saved", True)
         await store.apply([Release("a4", after.token, scope="a", client="c")])  # 23
-        # A save's new bytes count before a later claim, whose reservation then passes.
+        # A save's new bytes count before a later claim: its reservation no longer fits.
         taken = Save("a5", sized(20), 60.0, scope="a", client="c", quota=quota)  # 46
         refused = mine("a6")  # 246: over
         await store.apply([taken, refused])
@@ -336,7 +336,8 @@ async def test_a_saved_row_counts_once_after_a_reclaim_in_its_batch(tmp_path: Pa
         body = StoredResponse(b"d", 200, (), b"x" * 20)
         saved = Save("x", body, 60.0, token=held.token, scope="a", client="c", quota=quota)
         after = Claim("y", scope="a", client="c", quota=quota, reserve=200)
-        # 30 + 22 + 200 passes the cap: z's 30 reclaimed, 22 + 200 fits.
+        # 30 + 22 + 200 is over the cap: z's 30 is reclaimed, then 22 + 200 fits (counting
+        # the saved 22 twice, 244, did not).
         await store.apply([saved, Lookup("x"), after])
         assert (saved.outcome, saved.size, after.token > 0, after.over) == ("saved", 22, True, None)
     finally:

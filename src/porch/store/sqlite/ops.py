@@ -118,25 +118,25 @@ def apply_batch(
                 _apply_reads(conn, [op], now, claims, bodies, usage)
             elif type(op) is Save or type(op) is Release:
                 apply_writes(conn, [op], now, wall, claims, bodies, heads, usage)
+    elif not writes:
+        if reads:
+            _apply_reads(conn, reads, now, claims, bodies, usage)
     else:
         # Reads in one SELECT, response rows in one executemany. Ops on different keys
         # still share the quotas' figures, so those are decided in arrival order: a
         # claim's reservation counts what an earlier release freed or save took (as on
         # PostgreSQL and Redis), never what a later one did.
         taken = _answer_reads(conn, reads, now, claims, bodies) if reads else []
-        if not writes:
-            _grant(conn, [op for op in taken if _reserved(op, usage, claims)], claims)
-        else:
-            batch = Writes(now, wall, claims, bodies, heads, usage)
-            granted: list[Claim] = []
-            pending = {id(op) for op in taken}  # neither held elsewhere nor answered stored
-            for op in ops if taken else writes:
-                if type(op) is Save or type(op) is Release:
-                    batch.add(op)
-                elif type(op) is Claim and id(op) in pending and _reserved(op, usage, claims):
-                    granted.append(op)
-            batch.write(conn)
-            _grant(conn, granted, claims)
+        pending = {id(op) for op in taken}  # neither held elsewhere nor answered stored
+        batch = Writes(now, wall, claims, bodies, heads, usage)
+        granted: list[Claim] = []
+        for op in ops if taken else writes:
+            if type(op) is Save or type(op) is Release:
+                batch.add(op)
+            elif type(op) is Claim and id(op) in pending and _reserved(op, usage, claims):
+                granted.append(op)
+        batch.write(conn)
+        _grant(conn, granted, claims)
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))
