@@ -92,13 +92,16 @@ def run_lines(
     """How long each script took, and whether the three files come from one run."""
     parts = [("bench.py", report), ("curves.py", curves), ("cpu.py", cpu)]
     took = [(name, data["elapsed_s"]) for name, data in parts if data and "elapsed_s" in data]
-    ended = _when(report["date"])  # bench.py stamps its end; curves.py and cpu.py start after
-    later = [_when(data["date"]) for _, data in parts[1:] if data is not None]
-    one_run = (
-        len(took) == 3
-        and ended is not None
-        and all(w is not None and 0 <= (w - ended).total_seconds() < 3600 for w in later)
-    )
+    # bench.sh runs the three one after another: bench.py stamps its end, curves.py its
+    # start, cpu.py its end. One run leaves no gap between them (a minute's slack for
+    # start-up, a few seconds for the stamps' rounding); a script re-run on its own later
+    # is not part of that run.
+    one_run = False
+    if len(took) == 3 and curves is not None and cpu is not None:
+        ended, started, done = _when(report["date"]), _when(curves["date"]), _when(cpu["date"])
+        if ended is not None and started is not None and done is not None:
+            gap = (done - started).total_seconds() - curves["elapsed_s"] - cpu["elapsed_s"]
+            one_run = -5 <= (started - ended).total_seconds() < 60 and -5 <= gap < 60
     if one_run:
         total = sum(seconds for _, seconds in took)
         detail = ", ".join(f"{name} {_minutes(seconds)}" for name, seconds in took)
