@@ -173,8 +173,9 @@ BOUNDS = """## What bounds the targets not met
   claim, then the save). On PostgreSQL, after plans that never scan a table
   whole and the caps' figures read once a batch ("Design choices, measured"),
   neither core is busy through (2026-12-05: CPU 0 about 60%, CPU 1 about 80%
-  with wrk): the server's CPU is 147 µs a first execution and the app's 163 µs
-  (the per-request table, its store server column), and a request
+  with wrk): the server's CPU is 153 µs a first execution and the app's 201 µs
+  (the per-request table, its store server column; 147 and 163 µs in a run an hour
+  before: single measurements on a shared machine), and a request
   waits for two batches in turn on the four connections, each batch's function
   run sharing CPU 1 with the others and with wrk. Tried and not kept, each
   A/B'd against the row: no NOTIFY with the saves (+4%), no prune piggybacked
@@ -184,10 +185,10 @@ BOUNDS = """## What bounds the targets not met
   in a run beside the limiter rows, which lost 13%: not a default to change on
   a store server that shares a core with the load), `synchronous_commit` off
   (an experiment, not a setting porch would make: +7 to +19%, so the WAL flush
-  is now part of each batch's wait). On Redis the app's loop is the bound (161
-  µs a first execution; redis-server 91 µs); hiredis, redis-py's C
-  reply parser, did not change it (-4% on idem-first-redis, +3% on
-  limiter-redis, inside the spread). Replays: one claim per
+  is now part of each batch's wait). On Redis the app's loop is the bound (255
+  µs a first execution, 87% of its core at that row's rate; redis-server 127
+  µs); hiredis, redis-py's C reply parser, did not change it (-4% on
+  idem-first-redis, +3% on limiter-redis, inside the spread). Replays: one claim per
   key is out at a time (every other request for that key parks behind it and is
   answered with it), and a
   batch of replays takes no lock, writes nothing, skips the flush and returns
