@@ -31,7 +31,7 @@ from ..base import (
 )
 from .claims import SQLiteClaims
 from .counters import apply_counters, apply_lone_hit, prune_counters
-from .saves import Bodies, Heads, Usage, Writes, apply_writes, chunks
+from .saves import Bodies, Heads, Usage, Writes, chunks
 from .slots import SQLiteSlots
 
 __all__ = ["apply_batch", "prune_expired"]
@@ -112,12 +112,15 @@ def apply_batch(
     # Stored and reserved bytes, read only if a claim or save of this batch has a quota.
     usage = Usage(conn, now, claims)
     if reads and writes and {op.key for op in reads} & {op.key for op in writes}:
-        # A key both read and written in one batch: keep arrival order exactly.
+        # A key both read and written in one batch: keep arrival order exactly, each
+        # write's row written at once, for a later read of its key to see.
+        batch = Writes(now, wall, claims, bodies, heads, usage)
         for op in ops:
             if type(op) is Claim or type(op) is Lookup:
                 _apply_reads(conn, [op], now, claims, bodies, usage)
             elif type(op) is Save or type(op) is Release:
-                apply_writes(conn, [op], now, wall, claims, bodies, heads, usage)
+                batch.add(op)
+                batch.write(conn)
     elif not writes:
         if reads:
             _apply_reads(conn, reads, now, claims, bodies, usage)

@@ -19,7 +19,6 @@ __all__ = [
     "Heads",
     "Usage",
     "Writes",
-    "apply_writes",
     "chunks",
     "has_blob",
     "headers_json",
@@ -293,24 +292,8 @@ class Writes:
         op.outcome = "saved"
 
     def write(self, conn: sqlite3.Connection) -> None:
+        """Write the rows added since the last write."""
         if self.rows:
             conn.executemany(_UPSERT_RESPONSE, self.rows)
+            self.rows.clear()
             self.usage.wrote()
-
-
-def apply_writes(
-    conn: sqlite3.Connection,
-    writes: list[Save | Release],
-    now: float,
-    wall: float,
-    claims: SQLiteClaims,
-    bodies: Bodies | None,
-    heads: Heads | None = None,
-    usage: Usage | None = None,
-) -> None:
-    if usage is None:
-        usage = Usage(conn, now, claims)
-    batch = Writes(now, wall, claims, bodies, heads, usage)
-    for op in writes:
-        batch.add(op)
-    batch.write(conn)
