@@ -81,8 +81,11 @@ def test_redis_cluster_moves_a_slot_fails_over_and_takes_a_node_back() -> None:
         assert cluster.primary_of(slot) is target
         assert redis_call(target.port, "GET", "k") == b"$1\r\nv\r\n"
         assert redis_call(source.port, "GET", "k").startswith(b"-MOVED")
-        # A primary killed: its replica serves the slot (and has the key).
+        # A primary killed: its replica serves the slot (and has the key). Replication is
+        # asynchronous: without WAIT the kill can come before the migrated key reaches the
+        # replica (seen in CI: the promoted replica answered GET with nil).
         replica = cluster.replica_of(target)
+        assert redis_call(target.port, "WAIT", "1", "5000", within=6.0) == b":1\r\n"
         target.stop(kill=True)
         cluster.wait_healthy()
         assert cluster.primary_of(slot) is replica
