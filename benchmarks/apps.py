@@ -34,7 +34,6 @@ from starlette.routing import Route
 
 from porch import (
     ClientIdentity,
-    Concurrency,
     IdempotencyMiddleware,
     IdempotencyRule,
     KeyPool,
@@ -44,8 +43,10 @@ from porch import (
     Rule,
     SQLiteStore,
 )
-from porch.ratelimit import settle
 from porch.store.base import Hit, Store, StoreOp
+
+# The policies' names (Concurrency, porch.ratelimit.settle) are imported by their rows only:
+# benchmarks/ab.py and hotpath.py run this file over trees from before the policies too.
 
 # The policies' rows (each on SQLite, and with -postgres / -redis on those stores): the
 # same one-client rate as the fixed-window limiter, counted another way.
@@ -176,6 +177,9 @@ def create() -> Starlette:
             await asyncio.sleep(io)  # the handler's "database query"
         return PlainTextResponse("Hello, world!", headers=headers)
 
+    if variant.startswith("limiter-settle"):
+        from porch.ratelimit import settle
+
     async def hello_settled(request: Request) -> Response:
         # The -settle rows: a reservation of SETTLE_RESERVED, the request reporting it cost
         # 1, so the middleware applies a refund of the difference with every request.
@@ -264,6 +268,8 @@ def _rule(variant: str, window: float) -> Rule:
     """The limiter rows' rule: one rate far above the load, counted by the row's policy."""
     policy = variant.removeprefix("limiter-").removesuffix("-postgres").removesuffix("-redis")
     if policy == "concurrency":
+        from porch import Concurrency
+
         return Rule([Limit(HUGE, window), Concurrency(CAP)])
     if policy in ("sliding", "gcra"):
         return Rule(Limit(HUGE, window, algorithm=policy))

@@ -4,6 +4,7 @@
                                  [--algorithm fixed|sliding|gcra] [--concurrency 64]
                                  [--policy levels|settle|concurrency] [--profile]
                                  [--store sqlite|redis|postgres]
+                                 [--idempotency first|replay]
 
 Drives ``RateLimitMiddleware`` over a real SQLite pool with raw ASGI calls (no
 server, no HTTP parsing), 64 concurrent requests at a time from 64 clients, and
@@ -16,7 +17,11 @@ algorithm (a tree from before the policies knows only fixed windows);
 three levels, a reservation settled lower, a concurrency cap). ``--store redis`` or
 ``postgres`` runs the pool over a throwaway server of that kind (as bench.py's rows): the
 CPU counted is this process's, the driver's included, not the server's. ``--profile`` prints
-cProfile's top functions of one more round (metrics off). Runs
+cProfile's top functions of one more round (metrics off). ``--idempotency first`` drives
+``IdempotencyMiddleware`` instead (POST /orders, a new key per request: a claim, the
+handler, a save; ``replay``: one key, so every request but the first is a replay), and
+reports the event loop's share of the CPU beside the total (the rest is the SQLite
+writer's, or nothing on a network store). Runs
 against whatever ``porch`` is importable (``PYTHONPATH=other/src`` measures
 another checkout; ``--no-metrics`` for a checkout without ``porch.metrics``).
 """
@@ -29,15 +34,26 @@ import tempfile
 import time
 from typing import Any
 
-from porch import KeyPool, Limit, RateLimitMiddleware, Rule, SQLiteStore, open_store
+from porch import (
+    IdempotencyMiddleware,
+    IdempotencyRule,
+    KeyPool,
+    Limit,
+    RateLimitMiddleware,
+    Rule,
+    SQLiteStore,
+    open_store,
+)
 from porch.store.base import Store
 
 try:
+    from _harness import BODY
     from _stores import running
-    from apps import _rule
+    from apps import _rule, _unlimited_quota
 except ImportError:  # run as benchmarks/hotpath.py from elsewhere
+    from benchmarks._harness import BODY
     from benchmarks._stores import running
-    from benchmarks.apps import _rule
+    from benchmarks.apps import _rule, _unlimited_quota
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -100,6 +116,65 @@ async def _round(
     return elapsed / done * 1e6
 
 
+_JSON = (b"content-type", b"application/json")
+
+
+async def _order(scope: Any, receive: Any, send: Any) -> None:
+    """bench.py's POST /orders handler: reads the body, answers 201 with its size."""
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    start = {"type": "http.response.start", "status": 201, "headers": [_JSON]}
+    await send(start)
+    await send({"type": "http.response.body", "body": b'{"id": 1, "size": %d}' % size})
+
+
+async def _idempotency_round(
+    requests: int, kind: str, concurrency: int, url: str
+) -> tuple[float, float]:
+    """CPU µs per request of the whole process and of the event loop's thread alone."""
+    body = BODY.encode()
+    with tempfile.TemporaryDirectory() as data:
+        pool = KeyPool(_store(url, data))
+        await pool.start()
+        rules = IdempotencyRule("/orders", methods=["POST"])
+        # bench.py's caps: none reached (wrk is one address), each claim still reserving.
+        app = IdempotencyMiddleware(_order, pool=pool, rules=rules, quota=_unlimited_quota())
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] != 201:
+                raise RuntimeError(f"answered {message['status']}")
+
+        def scope(n: int) -> dict[str, Any]:
+            key = f"k-{n}" if kind == "first" else "the-one-key"
+            return {
+                "type": "http",
+                "method": "POST",
+                "path": "/orders",
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"idempotency-key", key.encode()),
+                ],
+                "client": ("127.0.0.1", 1234),
+            }
+
+        started, loop_started = time.process_time(), time.thread_time()
+        done = 0
+        while done < requests:
+            await asyncio.gather(*(app(scope(done + i), receive, send) for i in range(concurrency)))
+            done += concurrency
+        elapsed, loop = time.process_time() - started, time.thread_time() - loop_started
+        await pool.close()
+    return elapsed / done * 1e6, loop / done * 1e6
+
+
 def _store(url: str, data: str) -> Store:
     """SQLite in ``data``, or the server at ``url`` under names of this round's own: each
     round counts from nothing, as on SQLite."""
@@ -122,10 +197,24 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--clients", type=int, default=64, help="distinct clients (1: bench.py's)")
     parser.add_argument("--store", choices=["sqlite", "redis", "postgres"], default="sqlite")
+    parser.add_argument("--idempotency", choices=["first", "replay"], default="")
     args = parser.parse_args()
     kinds = set() if args.store == "sqlite" else {args.store}
     with running(kinds) as servers:
         url = servers[args.store].url if kinds else ""
+        if args.idempotency:
+            runs = [
+                asyncio.run(
+                    _idempotency_round(args.requests, args.idempotency, args.concurrency, url)
+                )
+                for _ in range(args.rounds)
+            ]
+            total, loop = min(runs)
+            print(
+                f"{args.idempotency}: {total:.1f} us CPU/request, the event loop's {loop:.1f}"
+                f" (best of {args.rounds})"
+            )
+            return
 
         def one(with_metrics: bool) -> float:
             return asyncio.run(
