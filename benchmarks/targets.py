@@ -177,8 +177,21 @@ BOUNDS = """## What bounds the targets not met
   (the per-request table, its store server column; 147 and 163 µs in a run an hour
   before: single measurements on a shared machine), and a request
   waits for two batches in turn on the four connections, each batch's function
-  run sharing CPU 1 with the others and with wrk. Tried and not kept, each
-  A/B'd against the row: no NOTIFY with the saves (+4%), no prune piggybacked
+  run sharing CPU 1 with the others and with wrk. Timed inside (2026-12-05, 64
+  connections, 5 s: each batch's apply as the shard sees it, PostgreSQL's wait
+  events sampled): the batches come in waves, claims alone (53% of them) or
+  saves alone (37%), about 9 ops each; an apply takes 6.7 ms on average (the
+  function's own execution 1.7 ms, by pg_stat_statements), and a batch done
+  before an earlier one waits 0.4 ms on average to be answered in order; the
+  backends sit mostly idle, waiting for the app, and when busy mostly wait for
+  the WAL flush or the notify queue's lock. So the row runs at about four
+  batches of 9 ops per 6.7 ms: 5,400 ops a second, two a request, ~2,700
+  req/s. Tried and not kept, each
+  A/B'd against the row: a batch of claims alone committing without waiting for
+  its flush (`synchronous_commit` off for that transaction only; losing such a
+  claim in a server crash re-runs a handler the crash already cut off): the
+  claim batches' apply 4.3 -> 3.5 ms, the row 4,125 -> 3,944 req/s (4 rounds,
+  mixed), no NOTIFY with the saves (+4%), no prune piggybacked
   on saving batches (+5%, inside the rounds' spread), a new key's claim
   inserting its row claimed instead of an empty row then an update (no change:
   4,217 -> 4,197 req/s), 8 connections instead of 4 (-3%), 2 (+11% alone; -5%
@@ -343,7 +356,20 @@ measured split between the event loop and the SQLite writer thread.
   64); committing each drain at once instead of grouping
   (0.43 -> 0.37× at 4 connections); a mypyc build of the hot modules (the
   in-process loop 23.3 -> 21.4 µs per decision, no change measurable under
-  uvicorn, so no compiled build ships).
+  uvicorn, so no compiled build ships). (The writer's figures above are from
+  before the quotas.) Since quotas per client identity (3446795, issue 26) a
+  claim reserves the most its response may store, in a row of its own that the
+  byte totals' triggers count, until its save replaces it: a batch of claims,
+  which wrote nothing before, is a write transaction, and each save deletes a
+  reservation as it stores. `python benchmarks/hotpath.py --idempotency first`
+  (in-process, no HTTP; `PYTHONPATH=<tree>/src` measures another tree), the
+  trees either side in one sitting on 2026-12-05: 49.9 µs of CPU a first
+  execution (the loop's 29.3) before it, 78.4 (38.0) with it, 76.6 (40.1) on
+  main; 50.6 on 1d4b149, the tree of the 0.53× run. Replays stayed at 21-26
+  µs. That is the price of a quota no caller can dodge across processes: the
+  reservation must be in the file for every other process's check. Measured
+  and not kept: a claim inserting its reservation without first reading its
+  key's row (a dead holder's row is rare): 75.6-76.3 -> 73.7-82.4 µs, no change.
 - **Waiting keeps a request alive.** The bare app finishes each request
   within one step of the loop, so its objects die young and CPython's cyclic
   garbage collector almost never runs (the GC column below). A request that
