@@ -367,9 +367,18 @@ measured split between the event loop and the SQLite writer thread.
   execution (the loop's 29.3) before it, 78.4 (38.0) with it, 76.6 (40.1) on
   main; 50.6 on 1d4b149, the tree of the 0.53× run. Replays stayed at 21-26
   µs. That is the price of a quota no caller can dodge across processes: the
-  reservation must be in the file for every other process's check. Measured
-  and not kept: a claim inserting its reservation without first reading its
-  key's row (a dead holder's row is rare): 75.6-76.3 -> 73.7-82.4 µs, no change.
+  reservation must be in the file for every other process's check. CPU time
+  drifts on this machine; instructions do not: `python
+  benchmarks/instructions.py --idempotency first` (hotpath.py under valgrind's
+  callgrind, every thread) counts 329,053 instructions a first execution before
+  the quotas, 505,328 with them and 569,313 on main before schema 11, whose
+  writer adds a transaction's reservation changes to the byte totals once
+  instead of through triggers run for each reservation (three statements as a
+  claim inserts one, five as its save deletes it): 526,300 (-7.6%). Under
+  uvicorn (ab.py, 4 rounds, rounds mixed): idem-first 5,670 -> 5,847 req/s, the
+  writer 50.4 -> 45.8 µs a request. Measured and not kept: a claim inserting
+  its reservation without first reading its key's row (a dead holder's row is
+  rare): 75.6-76.3 -> 73.7-82.4 µs, no change.
 - **Waiting keeps a request alive.** The bare app finishes each request
   within one step of the loop, so its objects die young and CPython's cyclic
   garbage collector almost never runs (the GC column below). A request that

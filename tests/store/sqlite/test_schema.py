@@ -239,3 +239,77 @@ async def test_a_version_4_file_keeps_its_responses_and_byte_totals(
         assert columns[0] == "id"
         assert columns[-1] == "body"
     assert (await store.admin().check()).healthy
+
+
+def byte_totals(path: Path) -> tuple[dict[str, object], dict[str, object]]:
+    """The byte totals as the tables hold them, and as the rows of stored responses and
+    reservations sum them (a figure of 0 has no row)."""
+    rows = "SELECT scope, client, size FROM responses UNION ALL SELECT scope, client, size FROM"
+    rows += " reservations"
+    with sqlite3.connect(path) as conn:
+        held = {
+            "scope": dict(conn.execute("SELECT scope, bytes FROM response_bytes")),
+            "client": dict(conn.execute("SELECT client, bytes FROM client_bytes")),
+            "total": conn.execute("SELECT bytes FROM response_total").fetchone()[0],
+        }
+        summed = {
+            "scope": dict(
+                conn.execute(f"SELECT scope, sum(size) FROM ({rows}) GROUP BY 1 HAVING sum(size)")
+            ),
+            "client": dict(
+                conn.execute(f"SELECT client, sum(size) FROM ({rows}) GROUP BY 1 HAVING sum(size)")
+            ),
+            "total": conn.execute(f"SELECT coalesce(sum(size), 0) FROM ({rows})").fetchone()[0],
+        }
+    return held, summed
+
+
+async def test_a_version_10_file_keeps_counting_its_reservations(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # Catches: migration 11 (the reservations' triggers dropped, their bytes counted by the
+    # writer) losing or doubling the bytes of a reservation made before it, or of one freed
+    # or reclaimed after it. A dead holder's reservation of 30 bytes, counted by the
+    # version 10 triggers, is freed by the next claim of its key and by a reclaim.
+    from porch.store.base import Claim, Quota, Release
+
+    path = tmp_path / "porch.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number in range(10):
+        for statement in sqlite_schema.statements(sqlite_schema._MIGRATIONS[number]):
+            conn.execute(statement, {"secret": "00" * 32} if ":secret" in statement else ())
+    conn.execute("PRAGMA user_version = 10")
+    conn.execute("INSERT INTO porch_meta VALUES ('boot_id', ?)", (clock.boot_id(),))
+    for key in (f"a{US}dead", f"a{US}gone"):  # nobody holds their keys' locks
+        conn.execute("INSERT INTO reservations VALUES (?, 'a', 'c', 30)", (key,))
+    conn.close()
+    assert byte_totals(path)[0] == {"scope": {"a": 60}, "client": {"c": 60}, "total": 60}
+    quota = Quota(scope_bytes=10_000, total_bytes=10_000, client_bytes=200)
+    store = SQLiteStore(tmp_path, clock=clock)
+    await store.open()
+    try:
+        again = Claim(f"a{US}dead", scope="a", client="c", quota=quota, reserve=100)
+        other = Claim(f"b{US}k", scope="b", client="d", quota=quota, reserve=50)
+        await store.apply([again, other])  # the dead 30 freed, 100 and 50 reserved
+        assert (again.token > 0, other.token > 0) == (True, True)
+        held, summed = byte_totals(path)
+        assert (
+            held
+            == summed
+            == {"scope": {"a": 130, "b": 50}, "client": {"c": 130, "d": 50}, "total": 180}
+        )
+        # 130 + 80 is over the client's 200: the reclaim frees "gone"'s 30, then 180 fits.
+        more = Claim(f"a{US}more", scope="a", client="c", quota=quota, reserve=80)
+        await store.apply([more, Release(f"b{US}k", other.token)])
+        assert more.token > 0
+        held, summed = byte_totals(path)
+        assert held == summed == {"scope": {"a": 180}, "client": {"c": 180}, "total": 180}
+        refused = Claim(f"a{US}over", scope="a", client="c", quota=quota, reserve=100)
+        await store.apply([refused])
+        assert refused.over == "client"
+        assert byte_totals(path)[0] == held
+        await store.apply([Release(again.key, again.token), Release(more.key, more.token)])
+        assert byte_totals(path) == ({"scope": {}, "client": {}, "total": 0},) * 2
+    finally:
+        await store.close()
+    assert (await store.admin().check()).healthy

@@ -140,6 +140,7 @@ def apply_batch(
                 granted.append(op)
         batch.write(conn)
         _grant(conn, granted, claims)
+    usage.flush()
     # Every transaction, not only saves: a store that only answers lookups and hits
     # must still give back what expired. Bounded, and an index probe when nothing did.
     conn.execute(_PRUNE_RESPONSES, (now, max(prune, 2 * len(writes))))

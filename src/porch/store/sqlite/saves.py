@@ -115,10 +115,16 @@ _UPSERT_RESERVATION = (
 
 class Usage:
     """Stored and reserved bytes per scope, per client and in all, as one transaction sees
-    them: each figure read once (the triggers keep the tables exact), kept current with what
-    the transaction writes, also before its response rows are written at its end."""
+    them: each figure read once, kept current with what the transaction writes, also
+    before its response rows are written at its end.
 
-    __slots__ = ("claims", "conn", "now", "pending", "read", "reclaimed")
+    The totals count stored responses through the triggers of their table, and the
+    reservations of claims through this class: a reservation's bytes go into ``changed``
+    as it is inserted or deleted, and reach the tables once, in :meth:`flush`, at the
+    transaction's end (a batch of claims of one client updates three rows once, not
+    three rows per claim; schema 11 dropped the reservations' triggers)."""
+
+    __slots__ = ("changed", "claims", "conn", "now", "pending", "read", "reclaimed")
 
     def __init__(self, conn: sqlite3.Connection, now: float, claims: SQLiteClaims) -> None:
         self.conn = conn
@@ -128,6 +134,8 @@ class Usage:
         self.read: dict[tuple[str, str], int] = {}
         # Bytes of response rows admitted but not written yet (Writes.write).
         self.pending: dict[tuple[str, str], int] = {}
+        # Bytes of reservations inserted (or, negative, deleted) but not in the totals yet.
+        self.changed: dict[tuple[str, str], int] = {}
         self.reclaimed = False
 
     def _get(self, bucket: tuple[str, str]) -> int:
@@ -140,14 +148,34 @@ class Usage:
                 row = self.conn.execute(_CLIENT_BYTES, (name,)).fetchone()
             else:
                 row = self.conn.execute(_TOTAL_BYTES).fetchone()
-            used = self.read[bucket] = 0 if row is None else int(row[0])
+            used = (0 if row is None else int(row[0])) + self.changed.get(bucket, 0)
+            self.read[bucket] = used
         return used + self.pending.get(bucket, 0)
 
-    def written(self, scope: str, client: str, delta: int) -> None:
-        """A row of ``delta`` bytes was written (or deleted) now: the tables know it."""
+    def reserved(self, scope: str, client: str, delta: int) -> None:
+        """A reservation of ``delta`` bytes was inserted (or deleted) now; the totals take
+        it at :meth:`flush`."""
+        changed, read = self.changed, self.read
         for bucket in (("s", scope), ("c", client), ("t", "")):
-            if bucket in self.read:
-                self.read[bucket] += delta
+            changed[bucket] = changed.get(bucket, 0) + delta
+            if bucket in read:
+                read[bucket] += delta
+
+    def flush(self) -> None:
+        """Add the reservations' changes to the totals (in the transaction that made them)."""
+        conn = self.conn
+        for (kind, name), delta in self.changed.items():
+            if delta == 0:
+                continue
+            if kind == "t":
+                conn.execute(_ADD_TOTAL, (delta,))
+            elif delta > 0:
+                conn.execute(_ADD_SCOPE if kind == "s" else _ADD_CLIENT, (name, delta))
+            else:  # as the responses' triggers do: a figure that reaches 0 loses its row
+                take, drop = _TAKE[kind]
+                conn.execute(take, (-delta, name))
+                conn.execute(drop, (name,))
+        self.changed.clear()
 
     def will_write(self, scope: str, client: str, size: int) -> None:
         """A response row of ``size`` bytes is admitted, to be written at the batch's end."""
@@ -190,9 +218,11 @@ class Usage:
         """Delete the reservations whose claim nobody holds: their holder died (its lock
         went with it). A claim of this process or a live one elsewhere keeps its lock."""
         claims = self.claims
-        for (key,) in self.conn.execute("SELECT key FROM reservations").fetchall():
+        found = self.conn.execute("SELECT key, scope, client, size FROM reservations").fetchall()
+        for key, scope, client, size in found:
             if claims.take(key):
                 self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
+                self.reserved(scope, client, -int(size))
                 claims.end(key)
 
     def reserve(
@@ -204,7 +234,7 @@ class Usage:
         over = self.admit(scope, client, size, quota)
         if over is None:
             self.conn.execute(_UPSERT_RESERVATION, (key, scope, client, size))
-            self.written(scope, client, size)
+            self.reserved(scope, client, size)
         return over
 
     def free(self, key: str) -> None:
@@ -212,9 +242,28 @@ class Usage:
         row = self.conn.execute(_SELECT_RESERVATION, (key,)).fetchone()
         if row is not None:
             self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
-            self.written(row[0], row[1], -int(row[2]))
+            self.reserved(row[0], row[1], -int(row[2]))
 
 
+_ADD_TOTAL = "UPDATE response_total SET bytes = bytes + ?"
+_ADD_SCOPE = (
+    "INSERT INTO response_bytes (scope, bytes) VALUES (?, ?)"
+    " ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes"
+)
+_ADD_CLIENT = (
+    "INSERT INTO client_bytes (client, bytes) VALUES (?, ?)"
+    " ON CONFLICT (client) DO UPDATE SET bytes = bytes + excluded.bytes"
+)
+_TAKE = {
+    "s": (
+        "UPDATE response_bytes SET bytes = bytes - ? WHERE scope = ?",
+        "DELETE FROM response_bytes WHERE scope = ? AND bytes <= 0",
+    ),
+    "c": (
+        "UPDATE client_bytes SET bytes = bytes - ? WHERE client = ?",
+        "DELETE FROM client_bytes WHERE client = ? AND bytes <= 0",
+    ),
+}
 _SCOPE_BYTES = "SELECT bytes FROM response_bytes WHERE scope = ?"
 _CLIENT_BYTES = "SELECT bytes FROM client_bytes WHERE client = ?"
 _TOTAL_BYTES = "SELECT bytes FROM response_total"
