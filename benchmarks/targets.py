@@ -177,11 +177,12 @@ BOUNDS = """## What bounds the targets not met
   (the per-request table, its store server column; 147 and 163 µs in a run an hour
   before: single measurements on a shared machine), and a request
   waits for two batches in turn on the four connections, each batch's function
-  run sharing CPU 1 with the others and with wrk. Timed inside (2026-12-05, 64
-  connections, 5 s: each batch's apply as the shard sees it, PostgreSQL's wait
-  events sampled): the batches come in waves, claims alone (53% of them) or
-  saves alone (37%), about 9 ops each; an apply takes 6.7 ms on average (the
-  function's own execution 1.7 ms, by pg_stat_statements), and a batch done
+  run sharing CPU 1 with the others and with wrk. Timed inside with a one-off
+  probe (not a command of this repository: each batch's apply timed as the shard
+  sees it, PostgreSQL's wait events sampled; 2026-12-05, 64 connections, 5 s):
+  the batches come in waves, claims alone (53% of them) or saves alone (37%),
+  about 9 ops each; an apply takes 6.7 ms on average (the function's own
+  execution 1.7 ms, by pg_stat_statements), and a batch done
   before an earlier one waits 0.4 ms on average to be answered in order; the
   backends sit mostly idle, waiting for the app, and when busy mostly wait for
   the WAL flush or the notify queue's lock. So the row runs at about four
@@ -191,7 +192,8 @@ BOUNDS = """## What bounds the targets not met
   its flush (`synchronous_commit` off for that transaction only; losing such a
   claim in a server crash re-runs a handler the crash already cut off): the
   claim batches' apply 4.3 -> 3.5 ms, the row 4,125 -> 3,944 req/s (4 rounds,
-  mixed), no NOTIFY with the saves (+4%), no prune piggybacked
+  mixed), no NOTIFY with the saves (+4% once; 2,870 -> 2,719 req/s measured
+  again on 2026-12-05), no prune piggybacked
   on saving batches (+5%, inside the rounds' spread), a new key's claim
   inserting its row claimed instead of an empty row then an update (no change:
   4,217 -> 4,197 req/s), 8 connections instead of 4 (-3%), 2 (+11% alone; -5%
