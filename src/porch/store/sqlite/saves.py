@@ -152,7 +152,7 @@ class Usage:
             self.read[bucket] = used
         return used + self.pending.get(bucket, 0)
 
-    def reserved(self, scope: str, client: str, delta: int) -> None:
+    def count_reservation(self, scope: str, client: str, delta: int) -> None:
         """A reservation of ``delta`` bytes was inserted (or deleted) now; the totals take
         it at :meth:`flush`."""
         changed, read = self.changed, self.read
@@ -222,7 +222,7 @@ class Usage:
         for key, scope, client, size in found:
             if claims.take(key):
                 self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
-                self.reserved(scope, client, -int(size))
+                self.count_reservation(scope, client, -int(size))
                 claims.end(key)
 
     def reserve(
@@ -234,7 +234,7 @@ class Usage:
         over = self.admit(scope, client, size, quota)
         if over is None:
             self.conn.execute(_UPSERT_RESERVATION, (key, scope, client, size))
-            self.reserved(scope, client, size)
+            self.count_reservation(scope, client, size)
         return over
 
     def free(self, key: str) -> None:
@@ -242,7 +242,7 @@ class Usage:
         row = self.conn.execute(_SELECT_RESERVATION, (key,)).fetchone()
         if row is not None:
             self.conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
-            self.reserved(row[0], row[1], -int(row[2]))
+            self.count_reservation(row[0], row[1], -int(row[2]))
 
 
 _ADD_TOTAL = "UPDATE response_total SET bytes = bytes + ?"
