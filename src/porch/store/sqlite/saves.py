@@ -106,11 +106,8 @@ def _headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
     return "[" + ", ".join([f'["{k.decode()}", "{v.decode()}"]' for k, v in headers]) + "]"
 
 
-_UPSERT_RESERVATION = (
-    "INSERT INTO reservations (key, scope, client, size) VALUES (?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET scope = excluded.scope, client = excluded.client,"
-    " size = excluded.size"
-)
+# A key's row left by a dead holder is freed (and counted) first: a plain insert.
+_INSERT_RESERVATION = "INSERT INTO reservations (key, scope, client, size) VALUES (?, ?, ?, ?)"
 
 
 class Usage:
@@ -170,7 +167,7 @@ class Usage:
             if kind == "t":
                 conn.execute(_ADD_TOTAL, (delta,))
             elif delta > 0:
-                conn.execute(_ADD_SCOPE if kind == "s" else _ADD_CLIENT, (name, delta))
+                conn.execute(_ADD[kind], (name, delta))
             else:  # as the responses' triggers do: a figure that reaches 0 loses its row
                 take, drop = _TAKE[kind]
                 conn.execute(take, (-delta, name))
@@ -233,7 +230,7 @@ class Usage:
         self.free(key)  # a reservation left on this key is a dead holder's: its lock is ours
         over = self.admit(scope, client, size, quota)
         if over is None:
-            self.conn.execute(_UPSERT_RESERVATION, (key, scope, client, size))
+            self.conn.execute(_INSERT_RESERVATION, (key, scope, client, size))
             self.count_reservation(scope, client, size)
         return over
 
@@ -246,14 +243,12 @@ class Usage:
 
 
 _ADD_TOTAL = "UPDATE response_total SET bytes = bytes + ?"
-_ADD_SCOPE = (
-    "INSERT INTO response_bytes (scope, bytes) VALUES (?, ?)"
-    " ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes"
-)
-_ADD_CLIENT = (
-    "INSERT INTO client_bytes (client, bytes) VALUES (?, ?)"
-    " ON CONFLICT (client) DO UPDATE SET bytes = bytes + excluded.bytes"
-)
+_ADD = {
+    "s": "INSERT INTO response_bytes (scope, bytes) VALUES (?, ?)"
+    " ON CONFLICT (scope) DO UPDATE SET bytes = bytes + excluded.bytes",
+    "c": "INSERT INTO client_bytes (client, bytes) VALUES (?, ?)"
+    " ON CONFLICT (client) DO UPDATE SET bytes = bytes + excluded.bytes",
+}
 _TAKE = {
     "s": (
         "UPDATE response_bytes SET bytes = bytes - ? WHERE scope = ?",
